@@ -1,0 +1,104 @@
+"""`solve`: the one entry point to every solver, and the checks around it."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from jaxremat._src.budget import BudgetLike, parse_budget
+from jaxremat._src.errors import InfeasibleBudgetError, SolverError
+from jaxremat._src.graph import RematGraph
+from jaxremat._src.schedule import Schedule
+from jaxremat._src.simulate import baseline_schedule, simulate
+from jaxremat._src.solvers.base import ProgressCallback, get_solver
+
+
+def tdi_percent(duration: float, baseline_duration: float) -> float:
+  """Total duration increase over the baseline, in percent."""
+  if baseline_duration <= 0:
+    return 0.0
+  return 100.0 * (duration - baseline_duration) / baseline_duration
+
+
+def solve(
+  graph: RematGraph,
+  budget: BudgetLike,
+  solver: str = "auto",
+  *,
+  time_limit: float = 60.0,
+  workers: int | None = None,
+  progress: ProgressCallback | None = None,
+  **options: Any,
+) -> Schedule:
+  """Plans a schedule of ``graph`` whose peak memory is at most ``budget``.
+
+  Args:
+    graph: the graph to plan.
+    budget: bytes, a fraction of the baseline peak, "80%", "12GiB" (see `parse_budget`).
+    solver: a name from `available_solvers()`.
+    time_limit: wall seconds the solver may use.
+    workers: CPU threads for solvers that parallelize (default: every core).
+    progress: called with `Progress` reports during long solves.
+    **options: solver-specific options.
+
+  Returns:
+    A `Schedule` that `simulate` accepts with peak <= budget. ``stats`` holds
+    ``status``, ``duration``, ``peak_bytes``, ``tdi_percent``, ``n_recompute``,
+    ``baseline_duration``, ``baseline_peak_bytes``, ``solve_time_s`` and the solver's own
+    figures (``lower_bound``, ``time_to_best_s``, ``history``) where it has them.
+
+  Raises:
+    InfeasibleBudgetError: the budget is below a proven lower bound (``min_feasible_bytes``).
+    NoScheduleFoundError: the solver found nothing within the time limit.
+    BudgetError: the budget cannot be parsed.
+
+  Example:
+    >>> import jaxremat
+    >>> g = jaxremat.RematGraph.build(mem=[4, 2, 1], cost=[1, 1, 1], edges=[(0, 1), (1, 2)])
+    >>> jaxremat.solve(g, 1.0, solver="noremat").stats["peak_bytes"]
+    6
+  """
+  baseline = simulate(graph, baseline_schedule(graph))
+  budget_bytes = parse_budget(budget, baseline.peak_bytes)
+  if budget_bytes < graph.min_feasible_bytes:
+    raise InfeasibleBudgetError(
+      budget_bytes,
+      graph.min_feasible_bytes,
+      f"the resident inputs plus the inputs and output of "
+      f"{graph.node_label(graph.bottleneck_node)} alone",
+    )
+  if time_limit <= 0:
+    raise ValueError(f"time_limit={time_limit!r} must be a positive number of seconds.")
+  workers = workers or os.cpu_count() or 1
+  start = time.perf_counter()
+  schedule = get_solver(solver)(
+    graph,
+    budget_bytes,
+    time_limit_s=float(time_limit),
+    workers=workers,
+    progress=progress,
+    **options,
+  )
+  solve_time_s = time.perf_counter() - start
+  check = simulate(graph, schedule)
+  if not check.valid:
+    raise SolverError(f"solver {solver!r} returned an invalid schedule: {check.error}")
+  if check.peak_bytes > budget_bytes:
+    raise SolverError(
+      f"solver {solver!r} returned a schedule peaking at {check.peak_bytes} bytes, over "
+      f"budget={budget_bytes} bytes."
+    )
+  stats = {
+    "status": "feasible",
+    **schedule.stats,
+    "duration": check.duration,
+    "peak_bytes": check.peak_bytes,
+    "n_recompute": check.n_recompute,
+    "tdi_percent": tdi_percent(check.duration, baseline.duration),
+    "baseline_duration": baseline.duration,
+    "baseline_peak_bytes": baseline.peak_bytes,
+    "solve_time_s": solve_time_s,
+    "workers": workers,
+  }
+  return schedule.replace(graph=graph.name, budget=budget_bytes, solver=solver, stats=stats)

@@ -1,0 +1,81 @@
+"""The interface every solver implements, and the registry that names them."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from jaxremat._src.graph import RematGraph
+from jaxremat._src.schedule import Schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+  """One progress report of a running solve.
+
+  Attributes:
+    elapsed_s: wall seconds since the solver started.
+    best_duration: duration of the best schedule within budget so far (None: none yet).
+    lower_bound: a proven lower bound on the duration, if the solver has one.
+    message: a short free-form note (phase, solver name).
+  """
+
+  elapsed_s: float
+  best_duration: float | None
+  lower_bound: float | None = None
+  message: str = ""
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+class Solver(Protocol):
+  """``solver(graph, budget_bytes, *, time_limit_s, workers, progress, **options)``.
+
+  Returns a `Schedule` whose peak is within ``budget_bytes`` and whose ``stats`` hold
+  at least ``status`` ("optimal" or "feasible"), and where known ``lower_bound``
+  (duration), ``time_to_best_s`` and ``history`` ([[elapsed_s, duration], ...]).
+
+  Raises:
+    InfeasibleBudgetError: the solver proved no schedule of its kind fits.
+    NoScheduleFoundError: it stopped (time limit) without finding one.
+  """
+
+  def __call__(
+      self,
+      graph: RematGraph,
+      budget_bytes: int,
+      *,
+      time_limit_s: float,
+      workers: int,
+      progress: ProgressCallback | None,
+      **options: Any,
+  ) -> Schedule: ...
+
+
+# name -> "module:function", imported on first use so that a solver's heavy
+# dependencies load only when it runs.
+_REGISTRY: dict[str, str] = {
+    "noremat": "jaxremat._src.solvers.noremat:solve_noremat",
+}
+
+
+def register_solver(name: str, target: str) -> None:
+  """Adds a solver under ``name``; ``target`` is ``"package.module:function"``."""
+  _REGISTRY[name] = target
+
+
+def available_solvers() -> list[str]:
+  """The names `jaxremat.solve` accepts."""
+  return sorted(_REGISTRY)
+
+
+def get_solver(name: str) -> Solver:
+  if name not in _REGISTRY:
+    raise ValueError(
+        f"solver={name!r} is not a known solver; choose one of {', '.join(available_solvers())}."
+    )
+  module, _, attr = _REGISTRY[name].partition(":")
+  return getattr(importlib.import_module(module), attr)

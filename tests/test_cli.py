@@ -1,0 +1,80 @@
+"""The `jaxremat` command, run as a user would: a subprocess of the installed script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import SHARED_GRAPHS, shared_graph
+
+
+def run(*args):
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxremat._src.cli", *map(str, args)],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_baseline_then_simulate(tmp_path):
+  shared_graph("moccasin_rl100")
+  graph = SHARED_GRAPHS / "moccasin_rl100.json"
+  code, out, err = run("baseline", graph, "-o", tmp_path / "s.json")
+  assert code == 0, err
+  assert json.loads(out)["peak_bytes"] == 46319
+  code, out, err = run("simulate", graph, tmp_path / "s.json")
+  assert code == 0, err
+  result = json.loads(out)
+  assert result["valid"] and result["error"] is None
+  assert (result["peak_bytes"], result["duration"], result["n_recompute"]) == (46319, 47769.0, 0)
+
+
+def test_simulate_invalid_schedule_exits_1_with_the_reason(tmp_path):
+  shared_graph("moccasin_rl100")
+  schedule = tmp_path / "s.json"
+  schedule.write_text(json.dumps({"format": "jaxremat.schedule/1", "events": [["compute", 1]]}))
+  code, out, _ = run("simulate", SHARED_GRAPHS / "moccasin_rl100.json", schedule)
+  result = json.loads(out)
+  assert code == 1 and not result["valid"]
+  assert "predecessor" in result["error"] and result["error_event"] == 0
+
+
+@pytest.mark.parametrize(
+  "content,words",
+  [
+    ("{not json", "is not valid JSON"),
+    ('{"format": "jaxremat.graph/1", "nodes": 3}', "nodes: expected a list"),
+  ],
+)
+def test_bad_file_exits_1_with_one_line(tmp_path, content, words):
+  bad = tmp_path / "bad.json"
+  bad.write_text(content)
+  code, out, err = run("baseline", bad)
+  assert code == 1 and out == ""
+  assert words in err and str(bad) in err
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_usage_errors_exit_2(tmp_path):
+  assert run("frobnicate")[0] == 2
+  assert run("simulate")[0] == 2
+  shared_graph("moccasin_rl100")
+  code, _, err = run("solve", SHARED_GRAPHS / "moccasin_rl100.json", "--budget", "-3")
+  assert code == 2 and "budget='-3'" in err
+  code, _, err = run(
+    "solve", SHARED_GRAPHS / "moccasin_rl100.json", "--budget", "1.0", "--solver", "magic"
+  )
+  assert code == 2 and "solver='magic' is not a known solver" in err
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one():
+  g = shared_graph("moccasin_rl100")
+  code, _, err = run(
+    "solve", SHARED_GRAPHS / "moccasin_rl100.json", "--budget", "1000", "--solver", "noremat"
+  )
+  assert code == 1
+  assert f"smallest feasible peak of {g.min_feasible_bytes} bytes" in err
