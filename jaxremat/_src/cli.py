@@ -10,9 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from importlib import resources
 
-from jaxremat._src.budget import parse_budget
 from jaxremat._src.errors import BudgetError, JaxrematError
 from jaxremat._src.graph import RematGraph
 from jaxremat._src.schedule import Schedule
@@ -21,7 +19,6 @@ from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import available_solvers
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
-DEMO_GRAPH = "checkmate_vgg16_train.json"
 
 
 class _UsageError(Exception):
@@ -31,14 +28,6 @@ class _UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
   def error(self, message):
     raise _UsageError(f"{self.prog}: {message}")
-
-
-def _bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-    if abs(n) < 1024 or unit == "TiB":
-      return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-    n /= 1024
-  raise AssertionError("unreachable")
 
 
 def _cmd_baseline(args) -> int:
@@ -81,29 +70,26 @@ def _cmd_solve(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-  with resources.as_file(resources.files("jaxremat") / "data" / DEMO_GRAPH) as path:
-    graph = RematGraph.load(path)
-  base = simulate(graph, baseline_schedule(graph))
-  print(f"Graph {graph.name}: {graph.n} nodes, {len(graph.edges)} edges (bundled example).")
-  print(f"No-remat baseline: peak {_bytes(base.peak_bytes)}, duration {base.duration:g}.")
-  print(
-    f"No schedule can peak below {_bytes(graph.min_feasible_bytes)} "
-    f"({graph.node_label(graph.bottleneck_node)} with its inputs)."
+  from jaxremat._src.demo import run_demo  # JAX loads only for the commands that need it
+
+  run_demo(budget=args.budget, solver=args.solver, time_limit=args.time_limit)
+  return EXIT_OK
+
+
+def _cmd_analyze(args) -> int:
+  from jaxremat._src import analyze
+
+  graph = analyze.load_graph(args.file)
+  rows, schedules = analyze.tradeoff(
+      graph, args.budget or analyze.DEFAULT_BUDGETS, args.solver or analyze.DEFAULT_SOLVERS,
+      args.time_limit,
   )
-  print(
-    f"\n{'budget':>8} {'bytes':>12} {'solver':>12} {'status':>10} {'peak':>12} {'TDI %':>7} {'time s':>7}"
-  )
-  for fraction in args.budgets:
-    budget_bytes = parse_budget(fraction, base.peak_bytes)
-    row = f"{fraction:>8.0%} {_bytes(budget_bytes):>12} {args.solver:>12}"
-    try:
-      s = solve(graph, budget_bytes, solver=args.solver, time_limit=args.time_limit)
-      print(
-        f"{row} {s.stats['status']:>10} {_bytes(s.stats['peak_bytes']):>12} "
-        f"{s.stats['tdi_percent']:>7.2f} {s.stats['solve_time_s']:>7.2f}"
-      )
-    except JaxrematError as e:
-      print(f"{row} {'none':>10}  {e}")
+  print(analyze.format_table(graph, rows))
+  if args.json:
+    analyze.save_json(args.json, graph, rows)
+  if args.plot:
+    analyze.plot(args.plot, graph, rows, analyze.chosen_schedule(rows, schedules))
+    print(f"\nwrote {args.plot}")
   return EXIT_OK
 
 
@@ -134,10 +120,19 @@ def _parser() -> _Parser:
   p.add_argument("-o", "--output", help="where to write the jaxremat.schedule/1 file")
   p.set_defaults(run=_cmd_solve)
 
-  p = sub.add_parser("demo", help="plan the bundled example graph at several budgets")
+  p = sub.add_parser("analyze", help="budget versus overhead across solvers, for a graph or jaxpr text")
+  p.add_argument("file", help="a jaxremat.graph/1 file, or a jaxpr as print(jax.make_jaxpr(f)(*args)) shows it")
+  p.add_argument("--budget", action="append", help="a budget (repeatable; default 100%%..50%%)")
+  p.add_argument("--solver", action="append", help="a solver (repeatable); one of: " + ", ".join(available_solvers()))
+  p.add_argument("--time-limit", type=float, default=10.0, help="seconds per solve (default 10)")
+  p.add_argument("--plot", help="write a PNG: memory timeline and overhead against budget")
+  p.add_argument("--json", help="write the table as JSON")
+  p.set_defaults(run=_cmd_analyze)
+
+  p = sub.add_parser("demo", help="optimize a bundled training step and print the report")
+  p.add_argument("--budget", type=float, default=0.5, help="fraction of the no-remat peak (0.5)")
   p.add_argument("--solver", default="auto", help="one of: " + ", ".join(available_solvers()))
-  p.add_argument("--budgets", type=float, nargs="+", default=[1.0, 0.9, 0.8, 0.7])
-  p.add_argument("--time-limit", type=float, default=20.0, help="seconds per budget")
+  p.add_argument("--time-limit", type=float, default=30.0, help="seconds for the solver (30)")
   p.set_defaults(run=_cmd_demo)
   return parser
 

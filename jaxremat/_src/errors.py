@@ -66,3 +66,8 @@ class SolverError(JaxrematError, RuntimeError):
 
 class UnsupportedError(JaxrematError, ValueError):
   """A program uses something jaxremat cannot plan or emit (e.g. an effect)."""
+
+
+class VerificationError(JaxrematError, RuntimeError):
+  """An optimized function's outputs differ from the original's, or XLA dropped a planned
+  recomputation: jaxremat refuses to hand it out."""

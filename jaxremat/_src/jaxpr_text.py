@@ -10,8 +10,10 @@ so that the graph builder serves live and parsed jaxprs alike.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,7 @@ import numpy as np
 from jaxremat._src.errors import FormatError
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_']*")
+_PRIMITIVE = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")  # e.g. scatter-add
 _DTYPE = re.compile(r"[a-z][a-z0-9_]*(?:<[a-z_]+>)?")
 _NUMBER = re.compile(r"-?(?:[0-9]+\.?[0-9]*(?:e[+-]?[0-9]+)?|inf|nan)")
 _LITERAL_WORDS = ("True", "False", "inf", "nan")
@@ -75,14 +78,14 @@ class TextPrimitive:
 class TextEqn:
   """One equation. ``params`` holds each parameter's text; ``subjaxprs`` its jaxprs.
 
-  ``outvars`` entries are None for dropped results (printed ``_``).
+  A dropped result (printed ``_``) is a `TextVar` named ``_``.
   """
 
   primitive: TextPrimitive
   params: dict[str, str]
   subjaxprs: dict[str, tuple[TextJaxpr, ...]]
   invars: list[TextVar | TextLiteral]
-  outvars: list[TextVar | None]
+  outvars: list[TextVar]
 
 
 @dataclasses.dataclass(eq=False)
@@ -170,7 +173,26 @@ class _Parser:
     self.skip()
     if self.pos != len(self.text):
       raise self.error("unexpected text after the jaxpr")
+    self.resolve_names([jaxpr, *self.named.values()])
     return jaxpr
+
+  def resolve_names(self, jaxprs: list[TextJaxpr]) -> None:
+    """Replaces ``jaxpr=NAME`` references (to `let` headers, also later ones) by the jaxpr."""
+    seen: set[int] = set()
+    stack = list(jaxprs)
+    while stack:
+      j = stack.pop()
+      if id(j) in seen:
+        continue
+      seen.add(id(j))
+      for e in j.eqns:
+        for key, subs in e.subjaxprs.items():
+          for x in subs:
+            if isinstance(x, str) and x not in self.named:
+              raise FormatError(self.source, f"{e.primitive.name}[{key}]",
+                                f"refers to {x!r}, which no `let` header defines.")
+          e.subjaxprs[key] = tuple(self.named[x] if isinstance(x, str) else x for x in subs)
+          stack.extend(e.subjaxprs[key])
 
   def jaxpr(self) -> TextJaxpr:
     self.expect("{")
@@ -232,12 +254,11 @@ class _Parser:
     return TextAval(tuple(dims), dtype)
 
   def eqn(self, scope: dict[str, TextVar]) -> TextEqn:
-    outvars: list[TextVar | None] = []
+    outvars: list[TextVar] = []
     while not self.peek("="):
-      var = self.binder()
-      outvars.append(None if var.name == "_" else var)
+      outvars.append(self.binder())
     self.expect("=")
-    primitive = self.match(_NAME, "a primitive name")
+    primitive = self.match(_PRIMITIVE, "a primitive name")
     params: dict[str, str] = {}
     subjaxprs: dict[str, tuple[TextJaxpr, ...]] = {}
     if self.text.startswith("[", self.pos):
@@ -253,7 +274,7 @@ class _Parser:
     while not self._at_eqn_end():
       invars.append(self.operand(scope))
     for var in outvars:
-      if var is not None:
+      if var.name != "_":
         scope[var.name] = var
     return TextEqn(TextPrimitive(primitive), params, subjaxprs, invars, outvars)
 
@@ -298,9 +319,10 @@ class _Parser:
         depth -= 1
       self.pos += 1
     raw = self.text[start : self.pos]
-    # `jaxpr=_uniform` refers to a `let` header (but `name=_uniform` is just a name).
-    if not found and raw in self.named and (key.endswith("jaxpr") or key == "branches"):
-      found.append(self.named[raw])
+    # `jaxpr=_uniform` refers to a `let` header, maybe one printed later (resolved then);
+    # `name=_uniform` is just a name.
+    if not found and _NAME.fullmatch(raw) and (key.endswith("jaxpr") or key == "branches"):
+      found.append(raw)
     return raw, found
 
 
@@ -318,3 +340,117 @@ def parse_jaxpr_text(text: str, source: str = "<jaxpr text>") -> TextJaxpr:
     FormatError: naming the line and column of the first thing it cannot read.
   """
   return _Parser(text, source).program()
+
+
+def inline_calls(jaxpr: TextJaxpr, primitives: frozenset[str], body_params: Sequence[str],
+                 source: str = "<jaxpr text>") -> TextJaxpr:
+  """Inlines the equations of call-like ``primitives`` (jit, custom_jvp_call, ...).
+
+  Each inlined body gets fresh variables, since one named body (a ``let`` header) may be
+  called in several places.
+
+  Raises:
+    FormatError: a call body closes over constants, which the text does not show.
+  """
+  eqns: list[TextEqn] = []
+
+  def walk(body: TextJaxpr, env: dict, fresh: bool) -> None:
+    def read(x):
+      return env.get(x, x) if isinstance(x, TextVar) else x
+
+    for e in body.eqns:
+      ins = [read(x) for x in e.invars]
+      inner = next((e.subjaxprs[k][0] for k in body_params if k in e.subjaxprs), None)
+      if e.primitive.name in primitives and inner is not None:
+        if inner.constvars:
+          raise FormatError(source, e.primitive.name, "has a body that closes over constants; "
+                            "print the jaxpr of a function without closed-over arrays.")
+        inner_env = dict(zip(inner.invars, ins, strict=True))
+        walk(inner, inner_env, fresh=True)
+        for o, r in zip(e.outvars, inner.outvars, strict=True):
+          env[o] = inner_env.get(r, r) if isinstance(r, TextVar) else r
+        continue
+      outs = e.outvars
+      if fresh:
+        outs = [TextVar(o.name, o.aval) for o in e.outvars]
+        env.update(zip(e.outvars, outs))
+      eqns.append(TextEqn(e.primitive, e.params, e.subjaxprs, ins, outs))
+
+  env: dict = {}
+  walk(jaxpr, env, fresh=False)
+  outvars = [env.get(x, x) if isinstance(x, TextVar) else x for x in jaxpr.outvars]
+  return TextJaxpr(jaxpr.constvars, jaxpr.invars, eqns, outvars)
+
+
+# -- to JAX's own jaxpr types ----------------------------------------------------------
+
+_PARAM_TYPES = ("ConvDimensionNumbers", "GatherDimensionNumbers", "ScatterDimensionNumbers")
+
+
+def _param_value(raw: str) -> Any:
+  """A parameter's Python value where the text determines it, else the text itself."""
+  try:
+    return ast.literal_eval(raw)
+  except (ValueError, SyntaxError, MemoryError, RecursionError):
+    pass
+  try:
+    call = ast.parse(raw, mode="eval").body
+  except SyntaxError:
+    return raw
+  if isinstance(call, ast.Call) and getattr(call.func, "id", None) in _PARAM_TYPES and not call.args:
+    from jax import lax
+
+    try:
+      kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+      return getattr(lax, call.func.id)(**kwargs)
+    except (ValueError, TypeError):
+      return raw
+  return raw
+
+
+def _literal_value(lit: TextLiteral) -> Any:
+  text = lit.val
+  value = {"True": True, "False": False}.get(text, None)
+  if value is None:
+    value = float(text) if any(c in text for c in ".eni") else int(text)
+  return np.asarray(value, dtype=lit.aval.dtype)
+
+
+def to_closed_jaxpr(jaxpr: TextJaxpr) -> Any:
+  """The parsed jaxpr as JAX's own ``ClosedJaxpr`` (for planning: it is never run).
+
+  Parameters become Python values where their text determines them; constants (whose
+  values the text does not show) become zeros of their type.
+  """
+  from jaxremat._src import compat
+
+  env: dict[TextVar, Any] = {}
+
+  def var(v: TextVar) -> Any:
+    if v not in env:
+      aval = compat.shaped_array(v.aval.shape, v.aval.dtype)
+      env[v] = compat.new_dropvar(aval) if v.name == "_" else compat.new_var(aval)
+    return env[v]
+
+  def atom(x: TextVar | TextLiteral) -> Any:
+    if isinstance(x, TextLiteral):
+      return compat.new_literal(_literal_value(x), compat.shaped_array(x.aval.shape, x.aval.dtype))
+    return var(x)
+
+  def convert(j: TextJaxpr, consts: list[Any]) -> Any:
+    spec = []
+    for e in j.eqns:
+      params = {k: _param_value(v) for k, v in e.params.items()}
+      for key, subs in e.subjaxprs.items():
+        closed = tuple(convert(sub, []) for sub in subs)
+        params[key] = closed if key == "branches" else closed[0]
+      prim = compat.primitive_by_name(e.primitive.name, len(e.outvars) > 1)
+      spec.append(([atom(x) for x in e.invars], [var(o) for o in e.outvars], prim, params))
+    return compat.new_closed_jaxpr(
+        [var(v) for v in j.constvars], [var(v) for v in j.invars], [atom(x) for x in j.outvars],
+        spec, consts,
+    )
+
+  consts = [np.zeros(v.aval.shape, v.aval.dtype) if not isinstance(v.aval.dtype, str) else None
+            for v in jaxpr.constvars]
+  return convert(jaxpr, consts)

@@ -59,6 +59,19 @@ class Solver(Protocol):
 # dependencies load only when it runs.
 _REGISTRY: dict[str, str] = {
     "noremat": "jaxremat._src.solvers.noremat:solve_noremat",
+    "auto": "jaxremat._src.solvers.auto:solve_auto",
+    "chen-greedy": "jaxremat._src.solvers.chen:solve_chen_greedy",
+    "chen-greedy-ap": "jaxremat._src.solvers.chen:solve_chen_greedy_ap",
+    "chen-sqrtn": "jaxremat._src.solvers.chen:solve_chen_sqrtn",
+    "chen-sqrtn-ap": "jaxremat._src.solvers.chen:solve_chen_sqrtn_ap",
+    "griewank": "jaxremat._src.solvers.griewank:solve_griewank",
+    "griewank-ap": "jaxremat._src.solvers.griewank:solve_griewank_ap",
+    "reorder": "jaxremat._src.solvers.reorder:solve_reorder",
+    "twremat": "jaxremat._src.solvers.twremat:solve_twremat",
+    "xla-greedy": "jaxremat._src.solvers.greedy:solve_xla_greedy",
+    "moccasin": "jaxremat._src.solvers.moccasin:solve_moccasin",
+    "checkmate": "jaxremat._src.solvers.checkmate:solve_checkmate",
+    "checkmate-lp": "jaxremat._src.solvers.checkmate:solve_checkmate_lp",
 }
 
 

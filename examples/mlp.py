@@ -1,0 +1,51 @@
+"""A deep tanh MLP regression model (ARCHITECTURE.md fact 1's 16-layer MLP, smaller)."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from examples import _common
+
+
+def init_params(key, depth=16, width=256, d_in=256, d_out=16):
+  keys = jax.random.split(key, depth + 1)
+  dims = [d_in] + [width] * depth
+  layers = [
+    {"w": jax.random.normal(k, (a, b)) / jnp.sqrt(a), "b": jnp.zeros((b,))}
+    for k, a, b in zip(keys[:-1], dims[:-1], dims[1:], strict=True)
+  ]
+  head = {
+    "w": jax.random.normal(keys[-1], (width, d_out)) / jnp.sqrt(width),
+    "b": jnp.zeros((d_out,)),
+  }
+  return {"layers": layers, "head": head}
+
+
+def loss(params, batch):
+  x, y = batch
+  for layer in params["layers"]:
+    x = jnp.tanh(x @ layer["w"] + layer["b"])
+  pred = x @ params["head"]["w"] + params["head"]["b"]
+  return jnp.mean((pred - y) ** 2)
+
+
+def example_batch(key, batch=1024, d_in=256, d_out=16):
+  kx, ky = jax.random.split(key)
+  return jax.random.normal(kx, (batch, d_in)), jax.random.normal(ky, (batch, d_out))
+
+
+def make_grad_fn(**sizes):
+  """``jax.value_and_grad(loss)`` and its example arguments ``(params, batch)``."""
+  key = jax.random.key(0)
+  return jax.value_and_grad(loss), (init_params(key, **sizes), example_batch(key))
+
+
+def make_train_step(**sizes):
+  """The optax (Adam) training step and its example arguments."""
+  _, (params, batch) = make_grad_fn(**sizes)
+  return _common.make_train_step(loss, params, batch)
+
+
+if __name__ == "__main__":
+  _common.main(sys.modules[__name__])

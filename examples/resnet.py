@@ -1,0 +1,93 @@
+"""A small ResNet (NHWC): a stem, residual stages with strided downsampling, a linear head."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from examples import _common
+
+_DN = ("NHWC", "HWIO", "NHWC")
+
+
+def _conv(w, x, stride=1):
+  return jax.lax.conv_general_dilated(x, w, (stride, stride), "SAME", dimension_numbers=_DN)
+
+
+def _norm(p, x):
+  # Per-example channel normalization (no running statistics to carry).
+  mean = x.mean((1, 2), keepdims=True)
+  var = x.var((1, 2), keepdims=True)
+  return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["g"] + p["b"]
+
+
+def init_params(key, widths=(16, 32, 64), blocks_per_stage=2, c_in=3, n_classes=10):
+  keys = iter(jax.random.split(key, 2 + 3 * len(widths) * blocks_per_stage))
+
+  def conv_w(a, b, size=3):
+    return jax.random.normal(next(keys), (size, size, a, b)) * (2.0 / (size * size * a)) ** 0.5
+
+  def norm(c):
+    return {"g": jnp.ones((c,)), "b": jnp.zeros((c,))}
+
+  stages = []
+  prev = widths[0]
+  for s, c in enumerate(widths):
+    blocks = []
+    for b in range(blocks_per_stage):
+      stride = 2 if (s > 0 and b == 0) else 1
+      blk = {
+        "w1": conv_w(prev, c),
+        "n1": norm(c),
+        "w2": conv_w(c, c),
+        "n2": norm(c),
+      }
+      if stride != 1 or prev != c:
+        blk["proj"] = conv_w(prev, c, size=1)
+      blocks.append(blk)
+      prev = c
+    stages.append(blocks)
+  return {
+    "stem": conv_w(c_in, widths[0]),
+    "stages": stages,
+    "head": jax.random.normal(next(keys), (prev, n_classes)) / prev**0.5,
+  }
+
+
+def loss(params, batch):
+  x, labels = batch
+  x = jax.nn.relu(_conv(params["stem"], x))
+  for s, stage in enumerate(params["stages"]):
+    for b, blk in enumerate(stage):
+      # The first block of every later stage halves the resolution (and projects).
+      stride = 2 if (s > 0 and b == 0) else 1
+      h = jax.nn.relu(_norm(blk["n1"], _conv(blk["w1"], x, stride)))
+      h = _norm(blk["n2"], _conv(blk["w2"], h))
+      shortcut = _conv(blk["proj"], x, stride) if "proj" in blk else x
+      x = jax.nn.relu(h + shortcut)
+  logits = x.mean((1, 2)) @ params["head"]
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.take_along_axis(logp, labels[:, None], axis=-1).mean()
+
+
+def example_batch(key, batch=16, size=32, c_in=3, n_classes=10):
+  kx, ky = jax.random.split(key)
+  return jax.random.normal(kx, (batch, size, size, c_in)), jax.random.randint(
+    ky, (batch,), 0, n_classes
+  )
+
+
+def make_grad_fn(**sizes):
+  """``jax.value_and_grad(loss)`` and its example arguments ``(params, batch)``."""
+  key = jax.random.key(0)
+  return jax.value_and_grad(loss), (init_params(key, **sizes), example_batch(key))
+
+
+def make_train_step(**sizes):
+  """The optax (Adam) training step and its example arguments."""
+  _, (params, batch) = make_grad_fn(**sizes)
+  return _common.make_train_step(loss, params, batch)
+
+
+if __name__ == "__main__":
+  _common.main(sys.modules[__name__])

@@ -1,0 +1,234 @@
+"""Every private or moving JAX import, in one place (ARCHITECTURE.md fact 5).
+
+jaxremat supports jax 0.10.x (this machine) and 0.11.x (GPU machines). Code elsewhere
+imports JAX internals only through this module, so a JAX upgrade touches one file.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+try:  # jax >= 0.6
+  from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
+except ImportError:  # pragma: no cover - older jax
+  from jax.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var  # type: ignore
+
+from jax._src import dtypes as _dtypes
+from jax._src import source_info_util as _source_info_util
+from jax._src.core import ShapedArray as _ShapedArray
+
+__all__ = [
+  "ClosedJaxpr",
+  "DropVar",
+  "Jaxpr",
+  "JaxprEqn",
+  "Literal",
+  "Var",
+  "aval_bytes",
+  "cost_analysis_dict",
+  "current_name_stack",
+  "eqn_source",
+  "inner_jaxprs",
+  "is_extended_dtype",
+  "name_stack_str",
+  "open_jaxpr",
+  "user_context",
+]
+
+# The call-like primitives the tracer inlines: their body runs exactly once, in place.
+# `pjit` was renamed `jit` in jax 0.7; `checkpoint` is `remat2` in 0.10.
+INLINE_PRIMITIVES = frozenset(
+  {
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "remat2",
+    "checkpoint",
+    "remat",
+  }
+)
+BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def open_jaxpr(jaxpr: Any) -> tuple[Any, list[Any]]:
+  """Returns ``(jaxpr, consts)`` for a closed or open jaxpr.
+
+  jax 0.11 merged ``ClosedJaxpr`` into ``Jaxpr``: there ``.jaxpr`` may be the object
+  itself, and its ``consts`` still belong to its constvars.
+  """
+  consts = getattr(jaxpr, "consts", None)
+  inner = getattr(jaxpr, "jaxpr", jaxpr)
+  return inner, list(consts) if consts is not None else []
+
+
+def close_jaxpr(jaxpr: Any, constvars: list[Any], invars: list[Any], consts: list[Any]) -> Any:
+  """A closed jaxpr like ``jaxpr`` with new constvars (bound to ``consts``) and invars."""
+  return ClosedJaxpr(jaxpr.replace(constvars=constvars, invars=invars), consts)
+
+
+def eval_closed_jaxpr(closed: Any, *args: Any) -> list[Any]:
+  """Evaluates a closed jaxpr on flat arguments."""
+  from jax.extend.core import jaxpr_as_fun
+
+  return list(jaxpr_as_fun(closed)(*args))
+
+
+def inline_body(eqn: Any) -> tuple[Any, list[Any]] | None:
+  """The body ``(jaxpr, consts)`` of an inlinable call equation, else None."""
+  if eqn.primitive.name not in INLINE_PRIMITIVES:
+    return None
+  for key in BODY_PARAMS:
+    body = eqn.params.get(key)
+    if body is not None:
+      return open_jaxpr(body)
+  return None
+
+
+def inner_jaxprs(eqn: Any) -> list[Any]:
+  """The open jaxprs in an equation's params (scan/while/cond bodies, branches)."""
+  out = []
+  for value in eqn.params.values():
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    for item in items:
+      if hasattr(item, "eqns"):
+        out.append(item)
+      elif hasattr(getattr(item, "jaxpr", None), "eqns"):
+        out.append(item.jaxpr)
+  return out
+
+
+def is_extended_dtype(dtype: Any) -> bool:
+  """Whether ``dtype`` is an extended dtype (PRNG keys) stored as a base array."""
+  return isinstance(dtype, _dtypes.ExtendedDType)
+
+
+def aval_bytes(aval: Any) -> int:
+  """Bytes of one value of abstract type ``aval`` as the device stores it.
+
+  Sub-byte types (int4) are packed; bool takes a byte; PRNG key arrays count their
+  physical base array (e.g. two uint32 per threefry key). Tokens take nothing.
+  """
+  shape = getattr(aval, "shape", None)
+  dtype = getattr(aval, "dtype", None)
+  if shape is None or dtype is None:
+    return 0
+  size = math.prod(shape)
+  if is_extended_dtype(dtype):
+    elt = dtype._rules.physical_element_aval(dtype)  # noqa: SLF001 - the only public path
+    size *= math.prod(elt.shape)
+    dtype = np.dtype(elt.dtype)
+  bits = _dtypes.itemsize_bits(dtype)
+  return (size * bits + 7) // 8
+
+
+# -- source information -----------------------------------------------------------------
+
+
+def eqn_source(eqn: Any) -> str:
+  """``"file.py:12 (fn)"`` for the user frame that created ``eqn``, or ``"unknown"``."""
+  frame = _source_info_util.user_frame(eqn.source_info.traceback)
+  if frame is None:
+    return "unknown"
+  return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def name_stack_str(eqn: Any) -> str:
+  return str(eqn.source_info.name_stack)
+
+
+def current_name_stack() -> Any:
+  return _source_info_util.current_name_stack()
+
+
+def user_context(eqn: Any, outer_name_stack: Any):
+  """Context that gives re-traced equations ``eqn``'s traceback and full name stack."""
+  return _source_info_util.user_context(
+    eqn.source_info.traceback, name_stack=outer_name_stack + eqn.source_info.name_stack
+  )
+
+
+def eqn_ctx_manager(eqn: Any):
+  return eqn.ctx.manager
+
+
+def bind_params(eqn: Any) -> dict[str, Any]:
+  return eqn.primitive.get_bind_params(eqn.params)
+
+
+# -- compiled executables ---------------------------------------------------------------
+
+
+def cost_analysis_dict(compiled: Any) -> dict[str, float]:
+  """``compiled.cost_analysis()`` as a dict (a one-element list in old jax)."""
+  costs = compiled.cost_analysis()
+  if isinstance(costs, (list, tuple)):
+    costs = costs[0] if costs else {}
+  return dict(costs or {})
+
+
+def memory_peak_bytes(compiled: Any) -> int:
+  """XLA's peak: argument + output + temp - alias (ARCHITECTURE.md fact 3)."""
+  m = compiled.memory_analysis()
+  return int(
+    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+  )
+
+
+def backend_name() -> str:
+  return jax.default_backend()
+
+
+# -- building jaxprs from their printed text (jaxremat._src.jaxpr_text) ---------------------
+
+
+def primitive_by_name(name: str, multiple_results: bool) -> Any:
+  """JAX's own primitive of that name where `jax.extend.core.primitives` has it, else a
+  stand-in that is never bound (a parsed jaxpr is planned, not run)."""
+  from jax.extend.core import Primitive, primitives
+
+  table = {p.name: p for p in vars(primitives).values() if isinstance(p, Primitive)}
+  if name in table:
+    return table[name]
+  prim = Primitive(name)
+  prim.multiple_results = multiple_results
+  return prim
+
+
+def shaped_array(shape: tuple[int, ...], dtype: Any) -> Any:
+  """The abstract value of an array; ``dtype`` ``"key<fry>"`` etc. makes a PRNG key type."""
+  if isinstance(dtype, str) and dtype.startswith("key<"):
+    impl = {"fry": "threefry2x32"}.get(dtype[4:-1], dtype[4:-1])
+    dtype = jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+  return _ShapedArray(shape, dtype)
+
+
+def new_var(aval: Any) -> Any:
+  return Var(aval)
+
+
+def new_dropvar(aval: Any) -> Any:
+  return DropVar(aval)
+
+
+def new_literal(value: Any, aval: Any) -> Any:
+  return Literal(value, aval)
+
+
+def new_closed_jaxpr(constvars, invars, outvars, eqns_spec, consts) -> Any:
+  """A ClosedJaxpr from ``eqns_spec``: ``(invars, outvars, primitive, params)`` tuples."""
+  from jax.extend.core import new_jaxpr_eqn
+
+  import warnings
+
+  eqns = [new_jaxpr_eqn(i, o, p, params, frozenset()) for i, o, p, params in eqns_spec]
+  with warnings.catch_warnings():  # no DebugInfo: there is no Python function behind it
+    warnings.simplefilter("ignore", DeprecationWarning)
+    return ClosedJaxpr(Jaxpr(constvars, invars, outvars, eqns), consts)

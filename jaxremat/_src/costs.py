@@ -1,0 +1,325 @@
+"""Per-equation costs from XLA's own cost analysis, cached by equation signature.
+
+Each distinct equation signature (primitive, params, input avals, backend) is compiled
+alone once; its ``cost_analysis()`` flops and bytes accessed become seconds through a
+roofline whose peak rates a micro-benchmark measures once per machine
+(ARCHITECTURE.md fact 4). Results live in memory and in a versioned JSON file under
+``$JAXREMAT_CACHE_DIR`` (default ``~/.cache/jaxremat``). Equations XLA cannot compile
+alone get a shape-based estimate, and say so (``source="shape"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import platform
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxremat._src import compat
+from jaxremat._src.errors import FormatError
+from jaxremat._src.graph import read_json, write_json_atomic
+
+CACHE_FORMAT = "jaxremat.costs/1"
+ROOFLINE_FORMAT = "jaxremat.roofline/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class EqnCost:
+  """The cost of one equation.
+
+  Attributes:
+    flops: floating-point operations (XLA's count, or the shape estimate).
+    bytes_accessed: bytes read and written.
+    seconds: estimated (roofline) or measured run time.
+    source: ``"xla"``, ``"measured"`` or ``"shape"`` (XLA could not compile it alone).
+  """
+
+  flops: float
+  bytes_accessed: float
+  seconds: float
+  source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+  """Peak rates of this machine's default device, measured by `measure_roofline`."""
+
+  flops_per_s: float
+  bytes_per_s: float
+  backend: str
+  device_kind: str
+
+  def seconds(self, flops: float, bytes_accessed: float) -> float:
+    return max(flops / self.flops_per_s, bytes_accessed / self.bytes_per_s)
+
+
+def cache_dir(path: str | os.PathLike | None = None) -> str:
+  """The cost cache directory: ``path``, ``$JAXREMAT_CACHE_DIR`` or ``~/.cache/jaxremat``."""
+  if path is not None:
+    return os.fspath(path)
+  return os.environ.get("JAXREMAT_CACHE_DIR") or os.path.join(
+    os.path.expanduser("~"), ".cache", "jaxremat"
+  )
+
+
+# -- roofline --------------------------------------------------------------------------------
+
+
+def _device_tag() -> tuple[str, str]:
+  dev = jax.devices()[0]
+  kind = f"{dev.device_kind}-{os.cpu_count()}cpu" if dev.platform == "cpu" else dev.device_kind
+  return jax.default_backend(), re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{kind}-{platform.node()}")
+
+
+def _best_time_s(fn, *args, repeats: int = 5) -> float:
+  jax.block_until_ready(fn(*args))
+  best = math.inf
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
+def measure_roofline() -> Roofline:
+  """Measures peak flop/s (a 1024^3 matmul) and byte/s (a 32 MiB elementwise add)."""
+  backend, kind = _device_tag()
+  n = 1024
+  a = jnp.ones((n, n), jnp.float32)
+  matmul = jax.jit(lambda x, y: x @ y)
+  flops_per_s = 2 * n**3 / _best_time_s(matmul, a, a)
+  x = jnp.ones((8 * 2**20,), jnp.float32)
+  add = jax.jit(lambda x, y: x + y)
+  bytes_per_s = 3 * x.nbytes / _best_time_s(add, x, x)
+  return Roofline(float(flops_per_s), float(bytes_per_s), backend, kind)
+
+
+_ROOFLINES: dict[tuple[str, str], Roofline] = {}
+
+
+def roofline(directory: str | os.PathLike | None = None) -> Roofline:
+  """This machine's roofline, measured once and kept on disk beside the cost cache."""
+  tag = _device_tag()
+  if tag in _ROOFLINES:
+    return _ROOFLINES[tag]
+  path = os.path.join(cache_dir(directory), f"roofline-{tag[0]}-{tag[1]}.json")
+  try:
+    data = read_json(path)
+    if data.get("format") != ROOFLINE_FORMAT:
+      raise FormatError(path, "format", "is not the current roofline format.")
+    result = Roofline(float(data["flops_per_s"]), float(data["bytes_per_s"]), *tag)
+  except (FormatError, KeyError, TypeError, ValueError, AttributeError):
+    result = measure_roofline()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_json_atomic(
+      path,
+      {
+        "format": ROOFLINE_FORMAT,
+        "flops_per_s": result.flops_per_s,
+        "bytes_per_s": result.bytes_per_s,
+        "backend": tag[0],
+        "device_kind": tag[1],
+      },
+    )
+  _ROOFLINES[tag] = result
+  return result
+
+
+def roofline_meta(mode: str, directory: str | os.PathLike | None = None) -> dict[str, Any] | None:
+  """The roofline as graph metadata (None in shape mode, which measures nothing)."""
+  if mode == "shape":
+    return None
+  r = roofline(directory)
+  return {"flops_per_s": r.flops_per_s, "bytes_per_s": r.bytes_per_s, "device_kind": r.device_kind}
+
+
+# -- shape-based estimates ---------------------------------------------------------------------
+
+
+def _size(aval: Any) -> int:
+  return math.prod(getattr(aval, "shape", ()))
+
+
+def shape_flops(eqn: Any) -> float:
+  """Flops from shapes alone: 2*M*N*K for dots and convolutions, one per element else."""
+  name = eqn.primitive.name
+  out = sum(_size(v.aval) for v in eqn.outvars)
+  if name == "dot_general":
+    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+    k = math.prod(eqn.invars[0].aval.shape[d] for d in lhs_contract)
+    return 2.0 * out * k
+  if name == "conv_general_dilated":
+    rhs = eqn.invars[1].aval.shape
+    spec = eqn.params["dimension_numbers"].rhs_spec  # (out feature, in feature, *spatial)
+    k = math.prod(rhs[d] for d in spec[1:])
+    return 2.0 * out * k
+  if name in ("scan", "while", "cond"):
+    trips = eqn.params.get("length", 1) if name == "scan" else 1
+    bodies = compat.inner_jaxprs(eqn)
+    inner = max((sum(shape_flops(e) for e in b.eqns) for b in bodies), default=0.0)
+    return float(trips) * inner
+  return float(out)
+
+
+def shape_bytes(eqn: Any) -> float:
+  """Bytes read and written: every input and output once."""
+  ins = sum(compat.aval_bytes(v.aval) for v in eqn.invars)
+  outs = sum(compat.aval_bytes(v.aval) for v in eqn.outvars)
+  return float(ins + outs)
+
+
+# -- XLA cost analysis per signature ---------------------------------------------------------
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def signature(eqn: Any, backend: str) -> str:
+  """A stable key for (primitive, params, input avals, backend)."""
+  ins = ",".join(
+    f"lit:{v.val!r}:{v.aval}" if isinstance(v, compat.Literal) else str(v.aval) for v in eqn.invars
+  )
+  params = _ADDRESS.sub("", repr(sorted((k, str(v)) for k, v in eqn.params.items())))
+  text = f"{eqn.primitive.name}|{params}|{ins}|{backend}"
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _compile_alone(eqn: Any):
+  params = compat.bind_params(eqn)
+  literals = {i: v.val for i, v in enumerate(eqn.invars) if isinstance(v, compat.Literal)}
+  specs = [
+    jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+    for v in eqn.invars
+    if not isinstance(v, compat.Literal)
+  ]
+
+  def run(*xs):
+    it = iter(xs)
+    args = [literals[i] if i in literals else next(it) for i in range(len(eqn.invars))]
+    return eqn.primitive.bind(*args, **params)
+
+  return jax.jit(run).lower(*specs).compile(), specs
+
+
+def _measure_seconds(compiled: Any, specs: Sequence[jax.ShapeDtypeStruct]) -> float:
+  args = []
+  for s in specs:
+    if compat.is_extended_dtype(s.dtype):
+      args.append(jax.random.split(jax.random.key(0), s.shape) if s.shape else jax.random.key(0))
+    else:
+      args.append(jnp.zeros(s.shape, s.dtype))
+  return _best_time_s(compiled, *args, repeats=3)
+
+
+class CostCache:
+  """In-memory and on-disk store of per-signature costs for one backend and device."""
+
+  def __init__(self, directory: str | os.PathLike | None = None):
+    backend, kind = _device_tag()
+    self.path = os.path.join(cache_dir(directory), f"costs-{backend}-{kind}.json")
+    self.entries: dict[str, list[Any]] = {}
+    self.dirty = False
+    try:
+      data = read_json(self.path)
+      if isinstance(data, dict) and data.get("format") == CACHE_FORMAT:
+        self.entries = dict(data.get("entries", {}))
+    except FormatError:
+      pass  # missing or unreadable: start empty, rewrite on save
+
+  def save(self) -> None:
+    if not self.dirty:
+      return
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    # Merge with what another process may have written meanwhile.
+    try:
+      data = read_json(self.path)
+      if isinstance(data, dict) and data.get("format") == CACHE_FORMAT:
+        self.entries = {**data.get("entries", {}), **self.entries}
+    except FormatError:
+      pass
+    write_json_atomic(self.path, {"format": CACHE_FORMAT, "entries": self.entries})
+    self.dirty = False
+
+
+_CACHES: dict[str, CostCache] = {}
+
+
+def _cache(directory: str | os.PathLike | None) -> CostCache:
+  key = cache_dir(directory)
+  if key not in _CACHES:
+    _CACHES[key] = CostCache(directory)
+  return _CACHES[key]
+
+
+def clear_memory_cache() -> None:
+  """Forgets the in-memory caches (the disk cache stays)."""
+  _CACHES.clear()
+  _ROOFLINES.clear()
+
+
+def equation_costs(
+  eqns: Sequence[Any], *, mode: str = "xla", cache_dir: str | os.PathLike | None = None
+) -> list[EqnCost]:
+  """The cost of each equation.
+
+  Args:
+    eqns: jaxpr equations.
+    mode: ``"xla"`` (cost analysis + roofline), ``"measured"`` (timed on the device)
+      or ``"shape"`` (shape estimates, nothing compiled).
+    cache_dir: the cost cache directory.
+
+  Returns:
+    One `EqnCost` per equation.
+  """
+  if mode == "shape":
+    return [_shape_cost(e, None) for e in eqns]
+  roof = roofline(cache_dir)
+  cache = _cache(cache_dir)
+  backend = roof.backend
+  out = []
+  for eqn in eqns:
+    if eqn.effects:
+      out.append(_shape_cost(eqn, roof))
+      continue
+    key = f"{mode}:{signature(eqn, backend)}"
+    entry = cache.entries.get(key)
+    if entry is None:
+      entry = _analyze(eqn, mode)
+      cache.entries[key] = entry
+      cache.dirty = True
+    flops, bytes_accessed, measured_s = entry
+    if flops is None:
+      out.append(_shape_cost(eqn, roof))
+    elif mode == "measured" and measured_s is not None:
+      out.append(EqnCost(flops, bytes_accessed, measured_s, "measured"))
+    else:
+      out.append(EqnCost(flops, bytes_accessed, roof.seconds(flops, bytes_accessed), "xla"))
+  cache.save()
+  return out
+
+
+def _analyze(eqn: Any, mode: str) -> list[Any]:
+  """``[flops, bytes_accessed, measured_s]``; ``[None, None, None]`` if it won't compile."""
+  try:
+    compiled, specs = _compile_alone(eqn)
+    costs = compat.cost_analysis_dict(compiled)
+    flops = float(costs.get("flops", 0.0)) + float(costs.get("transcendentals", 0.0))
+    bytes_accessed = float(costs.get("bytes accessed", 0.0))
+    measured = _measure_seconds(compiled, specs) if mode == "measured" else None
+  except Exception:  # noqa: BLE001 - any failure means "estimate from shapes"
+    return [None, None, None]
+  return [max(flops, 0.0), max(bytes_accessed, 0.0), measured]
+
+
+def _shape_cost(eqn: Any, roof: Roofline | None) -> EqnCost:
+  flops, bytes_accessed = shape_flops(eqn), shape_bytes(eqn)
+  # Without a roofline, one flop or one byte per nanosecond keeps units of seconds.
+  seconds = roof.seconds(flops, bytes_accessed) if roof else max(flops, bytes_accessed) * 1e-9
+  return EqnCost(flops, bytes_accessed, seconds, "shape")

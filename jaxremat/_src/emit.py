@@ -1,0 +1,475 @@
+"""`emit`: run a schedule as a JAX function whose recomputations XLA really performs.
+
+The emitted function evaluates the traced jaxpr node by node in schedule order; a node
+computed twice has its equations traced twice. Duplicated equations alone are merged
+back by XLA's common-subexpression elimination, and on XLA:CPU `optimization_barrier`
+is expanded before CSE, so `jax.checkpoint` recomputation disappears there
+(ARCHITECTURE.md fact 1, https://github.com/jax-ml/jax/issues/19822). Each run of
+consecutive recomputations is therefore put behind one *fence* that waits for the value
+the schedule computed just before the run (the *trigger*). A predicate read from the
+trigger that is always true, though XLA cannot prove it (`always_true`), makes:
+
+- ``"select"`` (the XLA:CPU default): each operand passes through
+  ``where(predicate, x, 0)``, one elementwise pass; the recomputation reads the result,
+  so it can neither start before the trigger nor be merged with the first computation.
+- ``"cond"``: the operands pass through a `lax.cond` on that predicate (the other
+  branch returns zeros); XLA:CPU copies all of them at once.
+- ``"cond-branch"``: the run itself is the cond's taken branch; nothing is copied.
+- ``"barrier"``: `lax.optimization_barrier` over the trigger and the operands; kept by
+  XLA:GPU and TPU (their barrier expander runs after scheduling), merged on XLA:CPU.
+- ``"none"``: no fence (XLA merges or hoists the recomputation; a control).
+
+Only the operands a run reads from non-input nodes are routed (plus function inputs
+where an equation would otherwise depend on none of them). A node recomputed twice in
+one run starts a new run, and recomputations nobody reads are dropped (XLA would delete
+them). benchmarks/emit.py measures what each fence costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxremat._src import compat
+from jaxremat._src.errors import UnsupportedError
+from jaxremat._src.schedule import Schedule
+from jaxremat._src.simulate import simulate
+
+FENCES = ("auto", "select", "cond", "cond-branch", "barrier", "none")
+# Fences that route the run's operands and leave the run itself in the main computation.
+_ROUTING_FENCES = ("cond", "select", "barrier")
+
+
+def default_fence(backend: str | None = None) -> str:
+  """The fence that holds on ``backend`` (default: JAX's default backend).
+
+  XLA:CPU expands `optimization_barrier` before CSE, so a data-dependent fence is needed
+  there: ``"select"``, which held on every schedule of benchmarks/emit.py and stayed
+  closest to the plan's peak on solver schedules with many routed values (``"cond"``
+  copies them all at once). On GPU and TPU the barrier holds and a cond would cost a
+  host round trip.
+  """
+  backend = backend or jax.default_backend()
+  return "select" if backend == "cpu" else "barrier"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """Consecutive compute events: one first computation, or a run of recomputations."""
+
+  nodes: tuple[int, ...]
+  recompute: bool
+  trigger: Any = None  # a Var the schedule computed just before a recomputation run
+  reads: tuple[Any, ...] = ()  # Vars the run reads from outside itself
+  routed: tuple[Any, ...] = ()  # of those, the ones a routing fence passes through
+  resident: frozenset[Any] = frozenset()  # of those, function inputs (routed for the run only)
+  results: tuple[Any, ...] = ()  # Vars the run makes that later runs or the outputs read
+
+
+def emit(
+  program_or_fn: Any,
+  schedule: Schedule,
+  *example_args: Any,
+  fence: str = "auto",
+  backend: str | None = None,
+  fold: bool = True,
+  **example_kwargs: Any,
+) -> Callable[..., Any]:
+  """A function that runs ``schedule``: same signature and pytrees as the original.
+
+  Args:
+    program_or_fn: a `Program` from `trace_program`, or the function itself (traced
+      here on the example arguments).
+    schedule: a schedule valid for the program's graph (e.g. from `jaxremat.solve`).
+    *example_args: example positional arguments (only used to trace a function).
+    fence: ``"auto"`` (per backend, see `default_fence`) or one of ``"cond"``,
+      ``"cond-branch"``, ``"select"``, ``"barrier"``, ``"none"`` (module docstring).
+    backend: the backend ``"auto"`` chooses for (default: JAX's default backend).
+    fold: passed to `trace_program` when tracing a function; it must match the graph
+      the schedule was planned on.
+    **example_kwargs: example keyword arguments (only used to trace a function).
+
+  Returns:
+    A function of the original's arguments, usable under `jax.jit` (also with
+    ``donate_argnums``) and `jax.grad` wherever the original is. Its attributes
+    ``program``, ``schedule``, ``fence`` (the one chosen) and ``n_fences`` say what it runs.
+
+  Raises:
+    ValueError: ``fence`` is unknown, or ``schedule`` is not a valid program for the
+      traced graph (the message carries the simulator's reason).
+    UnsupportedError: the schedule recomputes a node with side effects.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxremat
+    >>> f = lambda x: jnp.sum(jnp.sin(x) * 2.0)
+    >>> program = jaxremat.trace_program(f, jnp.ones(3), costs="shape")
+    >>> g = jaxremat.emit(program, jaxremat.baseline_schedule(program.graph))
+    >>> bool(jnp.allclose(jax.jit(g)(jnp.ones(3)), f(jnp.ones(3))))
+    True
+  """
+  if fence not in FENCES:
+    raise ValueError(f"fence={fence!r} is not one of {FENCES}; pass 'auto' to choose per backend.")
+  fence = default_fence(backend) if fence == "auto" else fence
+  if _is_program(program_or_fn):
+    program, fn = program_or_fn, None
+  else:
+    from jaxremat._src.trace import trace_program  # a later stage may import an earlier one
+
+    fn = program_or_fn
+    # Emitting needs the graph's structure and sizes only, not measured costs.
+    program = trace_program(fn, *example_args, fold=fold, costs="shape", **example_kwargs)
+  runs = plan_runs(program, schedule, fence=fence)
+
+  def emitted(*args: Any, **kwargs: Any) -> Any:
+    return _execute(program, runs, fence, *args, **kwargs)
+
+  if fn is not None:
+    functools.update_wrapper(emitted, fn)
+  # `verify` reads these to count the planned recomputations.
+  emitted.program, emitted.schedule, emitted.fence = program, schedule, fence
+  emitted.n_fences = 0 if fence == "none" else sum(r.recompute for r in runs)
+  return emitted
+
+
+def _is_program(x: Any) -> bool:
+  return all(hasattr(x, a) for a in ("jaxpr", "graph", "node_eqns", "node_outvars", "flatten_args"))
+
+
+# -- planning: which equations run where, and which values go through a fence ---------
+
+
+def check_schedule(program: Any, schedule: Schedule) -> None:
+  """Raises a clear error unless ``schedule`` can be emitted for ``program``.
+
+  Raises:
+    ValueError: the schedule is invalid for the program's graph.
+    UnsupportedError: the schedule recomputes an effectful node.
+  """
+  graph = program.graph
+  if not isinstance(schedule, Schedule):
+    raise TypeError(f"schedule must be a jaxremat.Schedule, got {type(schedule).__name__}.")
+  result = simulate(graph, schedule)
+  if not result.valid:
+    names = (
+      f" (the schedule was made for graph {schedule.graph!r}, the program's graph is "
+      f"{graph.name!r})"
+      if schedule.graph and schedule.graph != graph.name
+      else ""
+    )
+    raise ValueError(
+      f"schedule is not a valid program for the traced graph{names}: {result.error} "
+      "Solve or build the schedule on this program's graph (program.graph)."
+    )
+  seen: set[int] = set()
+  for kind, v in schedule.events:
+    if kind != "compute":
+      continue
+    if v in seen and graph.nodes[v].attrs.get("effectful"):
+      raise UnsupportedError(
+        f"schedule recomputes node {graph.node_label(v)}, which has side effects; a "
+        "schedule may compute an effectful node only once. Keep it live instead (e.g. "
+        "pass it in `keep=` when building segment schedules)."
+      )
+    seen.add(v)
+
+
+def live_computes(program: Any, schedule: Schedule) -> list[tuple[int, bool]]:
+  """``(node, is_recompute)`` for each compute event whose result is used.
+
+  A compute none of whose values is read before the node is computed again (and that is
+  no output, and has no effect) does nothing; XLA would delete it, so it is not emitted
+  and not counted as a planned recomputation.
+  """
+  eqns = program.jaxpr.jaxpr.eqns
+  graph = program.graph
+  computes = schedule.computes
+  live = {x for x in program.jaxpr.jaxpr.outvars if not isinstance(x, compat.Literal)}
+  used = [False] * len(computes)
+  for k in range(len(computes) - 1, -1, -1):
+    v = computes[k]
+    made = {x for i in program.node_eqns[v] for x in eqns[i].outvars}
+    if graph.nodes[v].attrs.get("effectful") or made & live:
+      used[k] = True
+      live = (live - made) | set(_external_reads(program, [v]))
+  seen: set[int] = set()
+  out = []
+  for v, keep in zip(computes, used):
+    if keep:
+      out.append((v, v in seen))
+      seen.add(v)
+  return out
+
+
+def plan_runs(program: Any, schedule: Schedule, *, fence: str = "select") -> tuple[_Run, ...]:
+  """The compute events of ``schedule`` grouped into runs, with what each run's fence needs.
+
+  A run is one first computation, or consecutive recomputations. A node recomputed twice
+  within a run starts a new run: both copies would read the same fenced values, and
+  XLA would merge them.
+
+  Raises:
+    ValueError: as `check_schedule`.
+    UnsupportedError: as `check_schedule`, or a cond-fenced run makes a value the
+      untaken branch cannot stand in for (PRNG keys, tokens).
+  """
+  check_schedule(program, schedule)
+  producer: dict[Any, int] = {}
+  for v, outvars in enumerate(program.node_outvars):
+    for var in outvars:
+      producer[var] = v
+  groups: list[tuple[list[int], bool]] = []
+  for v, recompute in live_computes(program, schedule):
+    if recompute and groups and groups[-1][1] and v not in groups[-1][0]:
+      groups[-1][0].append(v)
+    else:
+      groups.append(([v], recompute))
+  eqns = program.jaxpr.jaxpr.eqns
+  reads = [_external_reads(program, nodes) for nodes, _ in groups]
+  makes = [
+    {x for v in nodes for i in program.node_eqns[v] for x in eqns[i].outvars} for nodes, _ in groups
+  ]
+  # Liveness, backwards: what each run must hand on to later runs and the outputs.
+  live = {x for x in program.jaxpr.jaxpr.outvars if not isinstance(x, compat.Literal)}
+  results: list[tuple[Any, ...]] = [()] * len(groups)
+  for k in range(len(groups) - 1, -1, -1):
+    results[k] = tuple(x for x in _ordered_outvars(program, groups[k][0]) if x in live)
+    live = (live - makes[k]) | set(reads[k])
+  runs = []
+  for k, (nodes, recompute) in enumerate(groups):
+    run = _Run(tuple(nodes), recompute, reads=tuple(reads[k]), results=results[k])
+    if recompute and fence != "none":
+      routed = _routed_vars(program, nodes, producer)
+      run = dataclasses.replace(
+        run,
+        trigger=_trigger(program, groups[:k], results[:k], nodes),
+        routed=routed if fence in _ROUTING_FENCES else (),
+        resident=frozenset(x for x in routed if not _made_by_node(x, producer, program)),
+      )
+      if fence == "cond-branch":
+        _check_cond_results(program, run)
+    runs.append(run)
+  return tuple(runs)
+
+
+def _external_reads(program: Any, nodes: Sequence[int]) -> list[Any]:
+  """Vars the equations of ``nodes`` read that they do not make, in first-read order."""
+  eqns = program.jaxpr.jaxpr.eqns
+  made: set[Any] = set()
+  out: dict[Any, None] = {}
+  for v in nodes:
+    for i in program.node_eqns[v]:
+      for x in eqns[i].invars:
+        if not isinstance(x, compat.Literal) and x not in made:
+          out[x] = None
+      made.update(eqns[i].outvars)
+  return list(out)
+
+
+def _ordered_outvars(program: Any, nodes: Sequence[int]) -> list[Any]:
+  eqns = program.jaxpr.jaxpr.eqns
+  return [
+    x
+    for v in nodes
+    for i in program.node_eqns[v]
+    for x in eqns[i].outvars
+    if not isinstance(x, compat.DropVar)
+  ]
+
+
+def _check_cond_results(program: Any, run: _Run) -> None:
+  for x in run.results:
+    if not _fenceable(x):
+      raise UnsupportedError(
+        f"the recomputation of nodes {list(run.nodes)} makes a value of type {x.aval} that a "
+        "cond fence cannot stand in for in its untaken branch; emit with fence='barrier' "
+        "or keep that node live instead of recomputing it."
+      )
+
+
+def _trigger(
+  program: Any,
+  groups: Sequence[tuple[Sequence[int], bool]],
+  results: Sequence[Sequence[Any]],
+  run: Sequence[int],
+) -> Any:
+  """The value computed last before ``run`` that a fence can read an exact predicate from.
+
+  A first computation leaves all its values in the environment; a recomputation run
+  only its ``results``.
+  """
+  eqns = program.jaxpr.jaxpr.eqns
+  for (nodes, recompute), made in zip(reversed(groups), reversed(results)):
+    if recompute:
+      candidates = list(reversed(made))
+    else:
+      candidates = [
+        x for v in reversed(nodes) for i in reversed(program.node_eqns[v]) for x in eqns[i].outvars
+      ]
+    for var in candidates:
+      if _fenceable(var) and np.prod(var.aval.shape, dtype=int) > 0:
+        return var
+  raise UnsupportedError(
+    f"nothing computed before the recomputation of nodes {list(run)} is an array a fence "
+    "can wait for; emit with fence='none' or move the recomputation later."
+  )
+
+
+def _fenceable(var: Any) -> bool:
+  if isinstance(var, (compat.Literal, compat.DropVar)):
+    return False
+  aval = var.aval
+  dtype = getattr(aval, "dtype", None)
+  return (
+    dtype is not None
+    and hasattr(aval, "shape")
+    and not compat.is_extended_dtype(dtype)
+    and (jnp.issubdtype(dtype, np.number) or dtype == np.bool_)
+  )
+
+
+def _made_by_node(x: Any, producer: dict, program: Any) -> bool:
+  return x in producer and not program.graph.is_input[producer[x]]
+
+
+def _routed_vars(program: Any, run: Sequence[int], producer: dict) -> tuple[Any, ...]:
+  """The values a routing fence must pass so that every recomputed equation waits for it.
+
+  Values of non-input nodes are routed. A recomputed equation that would otherwise depend
+  on none of them (it reads only function inputs) gets those inputs routed too, so XLA
+  can neither hoist it nor merge it with the first computation.
+  """
+  eqns = program.jaxpr.jaxpr.eqns
+  is_input = program.graph.is_input
+  made: set[Any] = set()  # vars produced inside the run so far
+  behind: set[Any] = set()  # vars that depend on the fence
+  fenced: dict[Any, None] = {}
+  for v in run:
+    for i in program.node_eqns[v]:
+      eqn = eqns[i]
+      reads = [x for x in eqn.invars if not isinstance(x, compat.Literal)]
+      outside = [x for x in reads if x not in made]
+      for x in outside:
+        if _fenceable(x) and x in producer and not is_input[producer[x]]:
+          fenced[x] = None
+      if reads and not any(x in fenced or x in behind for x in reads):
+        fenced.update((x, None) for x in outside if _fenceable(x))
+      if any(x in fenced or x in behind for x in reads):
+        behind.update(eqn.outvars)
+      made.update(eqn.outvars)
+  return tuple(fenced)
+
+
+# -- running ---------------------------------------------------------------------------
+
+
+def _execute(program: Any, runs: Sequence[_Run], fence: str, *args: Any, **kwargs: Any) -> Any:
+  leaves = program.flatten_args(*args, **kwargs)
+  closed = program.jaxpr
+  jaxpr = closed.jaxpr
+  env: dict[Any, Any] = dict(zip(jaxpr.invars, leaves))
+  env.update(zip(jaxpr.constvars, closed.consts))
+  outer_stack = compat.current_name_stack()
+  for run in runs:
+    if not run.recompute or fence == "none":
+      _eval_nodes(program, run.nodes, env, outer_stack)
+    elif fence in _ROUTING_FENCES:
+      routed = apply_fence(fence, env[run.trigger], [env[x] for x in run.routed])
+      # After a cond, later readers read the routed copy, so the original can die at the
+      # fence. A select is only read by the run: XLA fuses it into later readers, which
+      # would then keep the original and the trigger alive as well as the copy.
+      local = dict(env)
+      for x, value in zip(run.routed, routed):
+        local[x] = value
+        if fence == "cond" and x not in run.resident:
+          env[x] = value
+      _eval_nodes(program, run.nodes, local, outer_stack)
+      env.update((x, local[x]) for x in run.results)
+    else:
+      env.update(zip(run.results, _cond_run(program, run, env, outer_stack)))
+  return program.unflatten_outputs([_read(env, x) for x in jaxpr.outvars])
+
+
+def _cond_run(program: Any, run: _Run, env: dict, outer_stack: Any) -> list[Any]:
+  """Evaluates ``run`` as the always-taken branch of a cond on its trigger."""
+
+  def taken(operands: list[Any]) -> list[Any]:
+    local = dict(zip(run.reads, operands))
+    _eval_nodes(program, run.nodes, local, outer_stack)
+    return [local[x] for x in run.results]
+
+  def untaken(operands: list[Any]) -> list[Any]:
+    del operands
+    return [jnp.zeros(x.aval.shape, x.aval.dtype) for x in run.results]
+
+  operands = [env[x] for x in run.reads]
+  return list(lax.cond(always_true(env[run.trigger]), taken, untaken, operands))
+
+
+def _read(env: dict, x: Any) -> Any:
+  return x.val if isinstance(x, compat.Literal) else env[x]
+
+
+def _eval_nodes(program: Any, nodes: Sequence[int], env: dict, outer_stack: Any) -> None:
+  eqns = program.jaxpr.jaxpr.eqns
+  for v in nodes:
+    for i in program.node_eqns[v]:
+      eqn = eqns[i]
+      with compat.user_context(eqn, outer_stack), compat.eqn_ctx_manager(eqn):
+        outs = eqn.primitive.bind(*[_read(env, x) for x in eqn.invars], **compat.bind_params(eqn))
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+      for var, value in zip(eqn.outvars, outs):
+        if not isinstance(var, compat.DropVar):
+          env[var] = value
+
+
+def apply_fence(fence: str, trigger: Any, values: Sequence[Any]) -> list[Any]:
+  """``values``, unchanged, but only available after ``trigger``.
+
+  ``"cond"`` passes the values through a cond on an always-true predicate read from
+  ``trigger`` (copying them on XLA:CPU); ``"select"`` is ``where(predicate, x, 0)``;
+  ``"barrier"`` is `optimization_barrier`.
+  """
+  values = list(values)
+  if fence == "none" or not values:
+    return values
+  if fence == "barrier":
+    _, out = lax.optimization_barrier((trigger, values))
+    return list(out)
+  if fence == "select":
+    pred = always_true(trigger)
+    return [lax.select(jnp.broadcast_to(pred, jnp.shape(v)), v, jnp.zeros_like(v)) for v in values]
+  if fence == "cond":
+    return list(lax.cond(always_true(trigger), _identity, _zeros_like, values))
+  raise ValueError(f"fence={fence!r} is not one of {_ROUTING_FENCES + ('none',)}.")
+
+
+def always_true(x: Any) -> Any:
+  """A scalar predicate read from ``x`` that is true for every value, NaN included.
+
+  The first element's bits OR 1 are never zero; XLA does no bit-level range analysis,
+  so it cannot fold the comparison, and the predicate waits for ``x``.
+  """
+  first = lax.stop_gradient(jnp.ravel(x)[0])
+  if jnp.issubdtype(first.dtype, np.complexfloating):
+    first = jnp.real(first)
+  if first.dtype == np.bool_:
+    bits = first.astype(np.uint8)
+  else:
+    bits = lax.bitcast_convert_type(first, np.dtype(f"uint{8 * first.dtype.itemsize}"))
+  return (bits | 1) != 0
+
+
+def _identity(values: list[Any]) -> list[Any]:
+  return values
+
+
+def _zeros_like(values: list[Any]) -> list[Any]:
+  return [jnp.zeros_like(v) for v in values]

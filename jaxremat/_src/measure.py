@@ -1,0 +1,141 @@
+"""`measure`: what XLA says a function costs (memory analysis, flops, wall time)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jaxremat._src import compat
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+  """XLA's figures for one compiled function (ARCHITECTURE.md facts 3 and 4).
+
+  Attributes:
+    backend: the platform it was compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``).
+    argument_bytes, output_bytes, temp_bytes, alias_bytes, generated_code_bytes: the
+      fields of ``compiled.memory_analysis()``.
+    peak_bytes: argument + output + temp - alias, XLA's peak.
+    flops, transcendentals, bytes_accessed: ``compiled.cost_analysis()`` (None where
+      the backend reports nothing).
+    compile_time_s: seconds to lower and compile.
+    wall_time_s: median seconds per call over ``wall_times_s`` (None with ``runs=0``).
+    wall_times_s: each timed call, after the warm-up calls.
+    device_peak_bytes: ``device.memory_stats()["peak_bytes_in_use"]`` after the runs on
+      backends that keep it (GPU, TPU); the process's high-water mark, None on CPU.
+    hlo_text: the optimized HLO (``compiled.as_text()``).
+  """
+
+  backend: str
+  argument_bytes: int
+  output_bytes: int
+  temp_bytes: int
+  alias_bytes: int
+  generated_code_bytes: int
+  peak_bytes: int
+  flops: float | None
+  transcendentals: float | None
+  bytes_accessed: float | None
+  compile_time_s: float
+  wall_time_s: float | None
+  wall_times_s: tuple[float, ...]
+  device_peak_bytes: int | None
+  hlo_text: str = dataclasses.field(repr=False, default="")
+
+  def summary(self) -> dict[str, Any]:
+    """Every field but the HLO text, as a JSON-ready dict."""
+    out = dataclasses.asdict(self)
+    del out["hlo_text"]
+    out["wall_times_s"] = list(self.wall_times_s)
+    return out
+
+
+def compile_fn(
+  fn: Callable[..., Any], *args: Any, donate_argnums: int | Sequence[int] = (), **kwargs: Any
+) -> Any:
+  """``jax.jit(fn, donate_argnums=...).lower(*args, **kwargs).compile()``."""
+  return jax.jit(fn, donate_argnums=donate_argnums).lower(*args, **kwargs).compile()
+
+
+def measure(
+  fn: Callable[..., Any],
+  *args: Any,
+  runs: int = 10,
+  warmup: int = 1,
+  donate_argnums: int | Sequence[int] = (),
+  **kwargs: Any,
+) -> Measurement:
+  """Compiles ``fn`` on ``args`` and reports XLA's memory, flops and wall time.
+
+  Args:
+    fn: the function (jitted or not; it is jitted here).
+    *args: its positional arguments.
+    runs: timed calls; the median is reported. 0 compiles and analyses only.
+    warmup: untimed calls before the timed ones.
+    donate_argnums: as for `jax.jit`; donated arguments are copied before each call
+      (outside the timed region) so that every call gets live buffers.
+    **kwargs: its keyword arguments.
+
+  Returns:
+    A `Measurement`.
+
+  Raises:
+    ValueError: ``runs`` or ``warmup`` is negative.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxremat
+    >>> m = jaxremat.measure(lambda x: jnp.sin(x) @ x, jnp.ones((64, 64)), runs=3)
+    >>> m.peak_bytes == m.argument_bytes + m.output_bytes + m.temp_bytes - m.alias_bytes
+    True
+  """
+  if runs < 0 or warmup < 0:
+    raise ValueError(f"runs={runs!r} and warmup={warmup!r} must be non-negative call counts.")
+  start = time.perf_counter()
+  compiled = compile_fn(fn, *args, donate_argnums=donate_argnums, **kwargs)
+  compile_time_s = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  costs = compat.cost_analysis_dict(compiled)
+  donated = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
+
+  def fresh_args() -> list[Any]:
+    return [jax.tree.map(lambda a: a.copy(), a) if i in donated else a for i, a in enumerate(args)]
+
+  times = []
+  for k in range(warmup + runs):
+    call_args = fresh_args()
+    jax.block_until_ready(call_args)
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*call_args, **kwargs))
+    if k >= warmup:
+      times.append(time.perf_counter() - start)
+  device_peak = None
+  if warmup + runs > 0:
+    stats = jax.devices()[0].memory_stats()
+    device_peak = stats.get("peak_bytes_in_use") if stats else None
+
+  def cost(key: str) -> float | None:
+    return float(costs[key]) if key in costs else None
+
+  return Measurement(
+    backend=jax.default_backend(),
+    argument_bytes=int(memory.argument_size_in_bytes),
+    output_bytes=int(memory.output_size_in_bytes),
+    temp_bytes=int(memory.temp_size_in_bytes),
+    alias_bytes=int(memory.alias_size_in_bytes),
+    generated_code_bytes=int(memory.generated_code_size_in_bytes),
+    peak_bytes=compat.memory_peak_bytes(compiled),
+    flops=cost("flops"),
+    transcendentals=cost("transcendentals"),
+    bytes_accessed=cost("bytes accessed"),
+    compile_time_s=compile_time_s,
+    wall_time_s=statistics.median(times) if times else None,
+    wall_times_s=tuple(times),
+    device_peak_bytes=None if device_peak is None else int(device_peak),
+    hlo_text=compiled.as_text(),
+  )

@@ -1,0 +1,378 @@
+"""`checkmate` and `checkmate-lp`: the MILP over R, S, U and FREE with frontier-advancing stages.
+
+Stage t computes node ``order[t]`` for the first time and may first recompute any of
+``order[:t]``, in input order. ``R[t, i]``: node i is computed in stage t; ``S[t, i]``:
+i is in memory when stage t starts; ``FREE[t, i, k]``: i is freed right after k is
+computed in stage t; ``U[t, k]``: memory after k is computed in stage t.
+
+References:
+  Jain, Jain, Nrusimha, Gholami, Abbeel, Keutzer, Stoica, Gonzalez. "Checkmate: Breaking
+  the Memory Wall with Optimal Tensor Rematerialization", MLSys 2020.
+  https://arxiv.org/abs/1910.02653
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ortools.linear_solver import pywraplp
+
+from jaxremat._src.errors import InfeasibleBudgetError, NoScheduleFoundError, SolverError
+from jaxremat._src.graph import RematGraph
+from jaxremat._src.schedule import Schedule, schedule_from_computes
+from jaxremat._src.simulate import simulate
+from jaxremat._src.solvers.base import ProgressCallback
+from jaxremat._src.solvers.exact_common import Clock, checked_schedule, integer_costs, memory_unit
+
+# OR-Tools names of the MIP backends tried in this order when backend="auto".
+MIP_BACKENDS = ("HIGHS", "SCIP", "SAT", "CBC")
+LP_BACKENDS = ("GLOP", "HIGHS_LP", "CLP", "PDLP")
+BOUND_SCOPE = "checkmate model: input order, frontier-advancing stages"
+
+
+def _create_solver(backend: str, choices: tuple[str, ...], argument: str) -> pywraplp.Solver:
+  names = choices if backend == "auto" else (backend,)
+  for name in names:
+    solver = pywraplp.Solver.CreateSolver(name)
+    if solver is not None:
+      return solver
+  raise ValueError(
+    f"{argument}={backend!r} is not available in this OR-Tools build; use 'auto' or one of "
+    f"{', '.join(choices)}."
+  )
+
+
+# -- the model ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Milp:
+  solver: pywraplp.Solver
+  order: tuple[int, ...]
+  deps: list[list[int]]  # positions in order of each node's non-input predecessors
+  users: list[list[int]]
+  outputs: set[int]
+  R: dict[tuple[int, int], Any]
+  S: dict[tuple[int, int], Any]
+  int_costs: list[int]
+  cost_scale: float
+
+
+def _build(graph: RematGraph, budget_bytes: int, solver: pywraplp.Solver, integer: bool) -> _Milp:
+  """Builds the Checkmate program (section 4 of the paper) on ``solver``.
+
+  ``integer=False`` gives the LP relaxation.
+  """
+  order = graph.order
+  n = len(order)
+  position = {v: k for k, v in enumerate(order)}
+  deps = [[position[u] for u in graph.compute_preds[v]] for v in order]
+  users = [[position[w] for w in graph.succs[v]] for v in order]
+  unit = memory_unit(graph)
+  mem = [graph.mem[v] // unit for v in order]
+  capacity = (budget_bytes - graph.resident_bytes) // unit
+  int_costs, cost_scale = integer_costs(graph)
+  outputs = {position[v] for v in graph.outputs if not graph.is_input[v]}
+
+  def boolean(name: str):
+    return solver.BoolVar(name) if integer else solver.NumVar(0.0, 1.0, name)
+
+  R, S = {}, {}
+  for t in range(n):
+    for i in range(t):
+      R[t, i] = boolean(f"R{t}_{i}")
+      S[t, i] = boolean(f"S{t}_{i}")
+    R[t, t] = 1  # the frontier advances: stage t computes node t
+
+  def retained(t: int, i: int):
+    """S[t, i], with S[n, i] fixed: only outputs are in memory at the end."""
+    if t == n:
+      return 1 if i in outputs else 0
+    return S[t, i] if i < t else 0
+
+  objective = solver.Objective()
+  for (_t, i), r in R.items():
+    if isinstance(r, int):
+      objective.SetOffset(objective.offset() + int_costs[order[i]])
+    else:
+      objective.SetCoefficient(r, int_costs[order[i]])
+  objective.SetMinimization()
+
+  for t in range(n):
+    for k in range(t + 1):
+      # A compute needs each input in memory or computed earlier in the stage.
+      for i in deps[k]:
+        solver.Add(R[t, k] <= R[t, i] + retained(t, i))
+    for i in range(t + 1):
+      # Only a value in memory during stage t can be kept into stage t + 1.
+      keep = retained(t + 1, i)
+      if not (isinstance(keep, int) and keep == 0):
+        solver.Add(keep <= R[t, i] + retained(t, i))
+
+    # Memory within stage t, and the frees after each compute.
+    usage = sum(mem[i] * S[t, i] for i in range(t)) if t else 0
+    for k in range(t + 1):
+      usage = usage + mem[k] * R[t, k]
+      solver.Add(usage <= capacity)
+      freed = 0
+      for i in [*deps[k], k]:
+        later_users = [j for j in users[i] if k < j <= t]
+        hazards = (1 - R[t, k]) + retained(t + 1, i) + sum(R[t, j] for j in later_users)
+        kappa = 2 + len(later_users)
+        free = boolean(f"F{t}_{i}_{k}")
+        # FREE = 1 exactly when nothing still needs i (paper eq. 7, linearized).
+        solver.Add(1 - free <= hazards)
+        solver.Add(hazards <= kappa * (1 - free))
+        freed = freed + mem[i] * free
+      usage = usage - freed
+  return _Milp(solver, order, deps, users, outputs, R, S, int_costs, cost_scale)
+
+
+def _value(x) -> float:
+  return float(x) if isinstance(x, int) else x.solution_value()
+
+
+def _computes_from(milp: _Milp, R_value, S_value) -> list[int]:
+  """The compute sequence of R; a node already in memory (S) is not computed again."""
+  n = len(milp.order)
+  computes = []
+  for t in range(n):
+    for i in range(t + 1):
+      if R_value(t, i) and not (i < t and S_value(t, i)):
+        computes.append(milp.order[i])
+  return computes
+
+
+# -- checkmate: the MILP --------------------------------------------------------------------
+
+
+def solve_checkmate(
+  graph: RematGraph,
+  budget_bytes: int,
+  *,
+  time_limit_s: float = 60.0,
+  workers: int = 1,
+  progress: ProgressCallback | None = None,
+  backend: str = "auto",
+  log_search: bool = False,
+) -> Schedule:
+  """Checkmate's MILP solved by an OR-Tools MIP backend.
+
+  ``stats["status"]`` "optimal" means optimal for the Checkmate model (input order,
+  frontier-advancing stages); ``lower_bound`` is the backend's bound for that model.
+
+  Args:
+    graph: the graph.
+    budget_bytes: the peak memory allowed, in bytes.
+    time_limit_s: wall seconds for the backend.
+    workers: threads for backends that use them.
+    progress: called once with the final result (the wrappers report no incumbents).
+    backend: "auto" (first available of HIGHS, SCIP, SAT, CBC) or one of them.
+    log_search: print the backend's log.
+
+  Returns:
+    A schedule that `simulate` accepts with peak <= ``budget_bytes``.
+
+  Raises:
+    InfeasibleBudgetError: the backend proved the MILP infeasible.
+    NoScheduleFoundError: the time limit passed without an integer solution.
+
+  References:
+    Jain et al., "Checkmate: Breaking the Memory Wall with Optimal Tensor
+    Rematerialization", MLSys 2020, section 4.
+  """
+  clock = Clock(progress)
+  if not graph.order:
+    return Schedule((), graph.name, budget_bytes, "checkmate", {"status": "optimal"})
+  solver = _create_solver(backend, MIP_BACKENDS, "backend")
+  milp = _build(graph, budget_bytes, solver, integer=True)
+  solver.SetTimeLimit(max(1, int(1000 * (time_limit_s - clock.elapsed_s()))))
+  solver.SetNumThreads(max(1, int(workers)))
+  if log_search:
+    solver.EnableOutput()
+  status = solver.Solve()
+  if status == pywraplp.Solver.INFEASIBLE:
+    raise InfeasibleBudgetError(
+      budget_bytes,
+      graph.min_feasible_bytes,
+      f"the {solver.SolverVersion()} backend proved the Checkmate MILP infeasible for the "
+      "input order; a free order (moccasin, order='free') may still fit",
+    )
+  if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+    raise NoScheduleFoundError(
+      f"checkmate ({solver.SolverVersion()}) found no schedule within budget="
+      f"{budget_bytes} bytes in time_limit_s={time_limit_s:g}; raise the time limit or "
+      "use solver='moccasin'."
+    )
+  computes = _computes_from(
+    milp, lambda t, i: _value(milp.R[t, i]) > 0.5, lambda t, i: _value(milp.S[t, i]) > 0.5
+  )
+  duration = float(sum(graph.cost[v] for v in computes))
+  bound = solver.Objective().BestBound() * milp.cost_scale
+  clock.improved(duration, bound, f"checkmate ({solver.SolverVersion()})")
+  stats = {
+    "status": "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
+    "lower_bound": bound,
+    "bound_scope": BOUND_SCOPE,
+    "backend": solver.SolverVersion(),
+    "time_to_best_s": clock.time_to_best_s,
+    "history": clock.history,
+  }
+  schedule = schedule_from_computes(
+    graph, computes, solver="checkmate", budget=budget_bytes, stats=stats
+  )
+  return checked_schedule(graph, schedule, budget_bytes, "checkmate")
+
+
+# -- checkmate-lp: LP relaxation and two-phase rounding ---------------------------------------
+
+# Budget allowances tried by default: the LP is solved for (1 - epsilon) x budget so that
+# the rounded schedule, which uses more memory than the LP, may still fit the budget.
+DEFAULT_EPSILONS = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
+
+
+def _round(milp: _Milp, threshold: float) -> list[int]:
+  """Two-phase rounding: S by ``threshold``, then the least R that makes S valid.
+
+  Scanning stage t from its frontier down, node i is computed when the stage needs it and
+  it is not in memory: it is the frontier, it is kept into stage t + 1, or a node computed
+  later in the stage reads it.
+  """
+  n = len(milp.order)
+  S = {key: _value(s) > threshold for key, s in milp.S.items()}
+
+  def in_memory(t: int, i: int) -> bool:
+    if t == n:
+      return i in milp.outputs
+    return i < t and S[t, i]
+
+  R = {}
+  for t in range(n):
+    for i in range(t, -1, -1):
+      needed = i == t or in_memory(t + 1, i) or any(R.get((t, j), False) for j in milp.users[i])
+      R[t, i] = needed and not in_memory(t, i)
+  return _computes_from(milp, lambda t, i: R[t, i], lambda t, i: False)
+
+
+def solve_checkmate_lp(
+  graph: RematGraph,
+  budget_bytes: int,
+  *,
+  time_limit_s: float = 60.0,
+  workers: int = 1,
+  progress: ProgressCallback | None = None,
+  backend: str = "auto",
+  epsilons: tuple[float, ...] = DEFAULT_EPSILONS,
+  threshold: float = 0.5,
+  log_search: bool = False,
+) -> Schedule:
+  """Checkmate's approximation: LP relaxation, two-phase rounding, budget allowance search.
+
+  For each allowance epsilon the LP is solved with the budget (1 - epsilon) x
+  ``budget_bytes``, S is rounded at ``threshold`` and R is the least that restores a
+  valid schedule; the shortest rounded schedule within the real budget wins. The LP
+  objective at epsilon = 0 is ``stats["lower_bound"]`` (for the Checkmate model);
+  ``stats["rounding"]`` lists every epsilon tried with its rounded peak and duration.
+
+  Args:
+    graph: the graph.
+    budget_bytes: the peak memory allowed, in bytes.
+    time_limit_s: wall seconds for all the LPs together.
+    workers: threads for backends that use them.
+    progress: called with each better rounded schedule within budget.
+    backend: "auto" (first available of GLOP, HIGHS_LP, CLP, PDLP) or one of them.
+    epsilons: the budget allowances to try, each in [0, 1).
+    threshold: S is rounded to 1 above it.
+    log_search: print the backend's log.
+
+  Returns:
+    A schedule that `simulate` accepts with peak <= ``budget_bytes``.
+
+  Raises:
+    InfeasibleBudgetError: the LP relaxation itself is infeasible at epsilon = 0.
+    NoScheduleFoundError: every rounded schedule exceeded the budget (the message gives
+      the least violation) or the time limit passed.
+
+  References:
+    Jain et al., "Checkmate: Breaking the Memory Wall with Optimal Tensor
+    Rematerialization", MLSys 2020, section 5 (two-phase rounding, budget allowance).
+  """
+  clock = Clock(progress)
+  if not graph.order:
+    return Schedule((), graph.name, budget_bytes, "checkmate-lp", {"status": "optimal"})
+  for eps in epsilons:
+    if not 0 <= eps < 1:
+      raise ValueError(f"epsilons contains {eps!r}; each allowance must be in [0, 1).")
+  best: tuple[float, list[int]] | None = None
+  tried: list[dict[str, Any]] = []
+  lower_bound = None
+  for eps in sorted(epsilons):
+    remaining_s = time_limit_s - clock.elapsed_s()
+    if remaining_s <= 0:
+      break
+    reduced = graph.resident_bytes + int((1 - eps) * (budget_bytes - graph.resident_bytes))
+    if reduced < graph.min_feasible_bytes:
+      break
+    solver = _create_solver(backend, LP_BACKENDS, "backend")
+    milp = _build(graph, reduced, solver, integer=False)
+    solver.SetTimeLimit(max(1, int(1000 * remaining_s)))
+    solver.SetNumThreads(max(1, int(workers)))
+    if log_search:
+      solver.EnableOutput()
+    status = solver.Solve()
+    if status != pywraplp.Solver.OPTIMAL:
+      if eps == 0 and status == pywraplp.Solver.INFEASIBLE:
+        raise InfeasibleBudgetError(
+          budget_bytes,
+          graph.min_feasible_bytes,
+          "the LP relaxation of the Checkmate model is infeasible for the input order",
+        )
+      tried.append({"epsilon": eps, "lp_status": int(status)})
+      continue
+    lp_objective = solver.Objective().Value() * milp.cost_scale
+    if eps == 0:
+      lower_bound = lp_objective
+    computes = _round(milp, threshold)
+    result = simulate(graph, schedule_from_computes(graph, computes))
+    if not result.valid:
+      raise SolverError(f"checkmate-lp rounding built an invalid schedule: {result.error}")
+    tried.append(
+      {
+        "epsilon": eps,
+        "lp_objective": lp_objective,
+        "peak_bytes": result.peak_bytes,
+        "duration": result.duration,
+        "within_budget": result.peak_bytes <= budget_bytes,
+      }
+    )
+    if result.peak_bytes <= budget_bytes:
+      if best is None or result.duration < best[0]:
+        best = (result.duration, computes)
+        clock.improved(result.duration, lower_bound, f"checkmate-lp epsilon={eps:g}")
+      break  # the smallest allowance that fits: larger ones constrain the LP further
+  if best is None:
+    over = [t for t in tried if "peak_bytes" in t]
+    least = min((t["peak_bytes"] for t in over), default=None)
+    detail = (
+      f"the least rounded peak was {least} bytes, {least - budget_bytes} bytes "
+      f"({100 * (least - budget_bytes) / budget_bytes:.2f}%) over budget"
+      if least is not None
+      else "no LP was solved"
+    )
+    raise NoScheduleFoundError(
+      f"checkmate-lp found no rounded schedule within budget={budget_bytes} bytes over "
+      f"epsilons={tuple(sorted(epsilons))} ({detail}); use solver='checkmate' or 'moccasin'."
+    )
+  stats = {
+    "status": "feasible",
+    "lower_bound": lower_bound,
+    "bound_scope": BOUND_SCOPE,
+    "rounding": tried,
+    "time_to_best_s": clock.time_to_best_s,
+    "history": clock.history,
+  }
+  schedule = schedule_from_computes(
+    graph, best[1], solver="checkmate-lp", budget=budget_bytes, stats=stats
+  )
+  return checked_schedule(graph, schedule, budget_bytes, "checkmate-lp")

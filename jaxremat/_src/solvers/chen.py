@@ -1,0 +1,185 @@
+"""Chen et al.'s checkpointing, generalized to DAGs as in Checkmate's appendix B.
+
+The forward nodes of the order form segments separated by checkpoints. During the
+forward pass a segment's values are dropped when the next checkpoint is computed; a
+later reader (the backward pass) recomputes the missing values from the nearest live
+ones and keeps them until their last use, so each segment is replayed about once.
+
+Two choices of candidate checkpoints (Checkmate, appendix B):
+  * linearized: every forward node of the topological order (the DAG read as a chain);
+  * articulation points (``-ap``): forward nodes whose removal disconnects the
+    undirected forward graph, so that a checkpoint alone separates the segments.
+
+Two rules to place them:
+  * ``chen-sqrtn``: every s-th candidate, s searched from sqrt(n) to meet the budget;
+  * ``chen-greedy``: Chen's greedy rule, a checkpoint whenever the bytes accumulated since
+    the last one pass a segment budget; the segment budget is searched.
+
+References:
+  Chen, Xu, Zhang, Guestrin, "Training Deep Nets with Sublinear Memory Cost", 2016,
+  sec. 4 (algorithm 2 and the greedy "memory planning with budget").
+  Jain et al., "Checkmate: Breaking the Memory Wall with Optimal Tensor
+  Rematerialization", MLSys 2020, appendix B (generalizations to DAGs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import networkx as nx
+
+from jaxremat._src.graph import RematGraph
+from jaxremat._src.schedule import Schedule
+from jaxremat._src.simulate import SimulationResult
+from jaxremat._src.solvers.reorder import resolve_order
+from jaxremat._src.solvers.replay import Replay, SequenceTooLongError, evaluate, pick_best
+
+_SEGMENT_BUDGET_STEPS = 40  # geometric grid of Chen's segment budgets tried
+
+
+def forward_nodes(graph: RematGraph) -> set[int]:
+  """Nodes of the forward pass: those marked ``backward: false``, or all if none is marked."""
+  marked = [node for node in graph.nodes if "backward" in node.attrs]
+  if not marked:
+    return set(graph.order)
+  return {node.id for node in graph.nodes if not node.attrs.get("backward", False)} - set(
+    graph.inputs
+  )
+
+
+def checkpoint_candidates(graph: RematGraph, order: Sequence[int], variant: str) -> list[int]:
+  """Forward nodes that may be checkpoints, in ``order``: ``"linearized"`` or ``"ap"``.
+
+  Raises:
+    ValueError: ``variant`` is neither.
+  """
+  forward = forward_nodes(graph)
+  if variant == "linearized":
+    return [v for v in order if v in forward]
+  if variant == "ap":
+    undirected = nx.Graph()
+    undirected.add_nodes_from(forward)
+    undirected.add_edges_from((u, v) for u, v in graph.edges if u in forward and v in forward)
+    cut = set(nx.articulation_points(undirected))
+    return [v for v in order if v in cut]
+  raise ValueError(f"variant={variant!r} must be 'linearized' or 'ap'.")
+
+
+def segment_computes(
+  graph: RematGraph,
+  order: Sequence[int],
+  checkpoints: set[int],
+  forward: set[int],
+) -> list[int]:
+  """The compute sequence of segment checkpointing with the given checkpoints.
+
+  Forward values outside ``checkpoints`` are dropped when the next checkpoint is
+  computed; everything recomputed later stays until its last use (freed by
+  `schedule_from_computes`), which replays a segment once per backward sweep.
+  """
+  replay = Replay(graph, order)
+  segment: list[int] = []
+  for t, v in enumerate(order):
+    replay.now = t
+    replay.ensure(v)
+    if v not in forward:
+      continue
+    if v in checkpoints:
+      for w in segment:
+        replay.drop(w)
+      segment = []
+    else:
+      segment.append(v)
+  return replay.finish()
+
+
+def _candidates_run(
+  graph: RematGraph,
+  order: Sequence[int],
+  checkpoint_sets: Sequence[frozenset[int]],
+  solver: str,
+) -> list[tuple[Schedule, SimulationResult]]:
+  forward = forward_nodes(graph)
+  out = []
+  for checkpoints in dict.fromkeys(checkpoint_sets):
+    try:
+      computes = segment_computes(graph, order, set(checkpoints), forward)
+    except SequenceTooLongError:
+      continue
+    out.append(evaluate(graph, computes, solver=solver))
+  return out
+
+
+def sqrtn_checkpoints(candidates: Sequence[int], spacing: int) -> frozenset[int]:
+  """Every ``spacing``-th candidate (Chen's sqrt(n) rule when spacing = sqrt(n))."""
+  return frozenset(candidates[spacing - 1 :: spacing])
+
+
+def greedy_checkpoints(
+  graph: RematGraph,
+  candidates: Sequence[int],
+  order: Sequence[int],
+  segment_bytes: float,
+) -> frozenset[int]:
+  """Chen's greedy rule: a checkpoint at the first candidate after ``segment_bytes`` accrue."""
+  forward = forward_nodes(graph)
+  is_candidate = set(candidates)
+  chosen, accrued = [], 0
+  for v in order:
+    if v not in forward:
+      continue
+    accrued += graph.mem[v]
+    if accrued > segment_bytes and v in is_candidate:
+      chosen.append(v)
+      accrued = 0
+  return frozenset(chosen)
+
+
+def _solve(graph: RematGraph, budget_bytes: int, solver: str, rule: str, variant: str, order):
+  order = resolve_order(graph, order)
+  candidates = checkpoint_candidates(graph, order, variant)
+  if rule == "sqrtn":
+    root = max(1, round(math.sqrt(len(candidates))))
+    spacings = sorted(
+      {root, *(2**k for k in range(int(math.log2(max(len(candidates), 1))) + 1))},
+      key=lambda s: (s != root, s),
+    )
+    sets = [sqrtn_checkpoints(candidates, s) for s in spacings]
+    what = f"checkpoint spacings {spacings} over {len(candidates)} {variant} candidates"
+  else:
+    forward_bytes = sum(graph.mem[v] for v in order if v in forward_nodes(graph))
+    smallest = max(1, min((graph.mem[v] for v in candidates), default=1))
+    ratio = (max(forward_bytes, smallest) / smallest) ** (1 / _SEGMENT_BUDGET_STEPS)
+    budgets = [smallest * ratio**k for k in range(_SEGMENT_BUDGET_STEPS + 1)]
+    sets = [greedy_checkpoints(graph, candidates, order, b) for b in budgets]
+    what = f"{len(set(sets))} segment budgets over {len(candidates)} {variant} candidates"
+  return pick_best(_candidates_run(graph, order, sets, solver), budget_bytes, solver, what)
+
+
+def solve_chen_sqrtn(graph: RematGraph, budget_bytes: int, *, order=None, **_) -> Schedule:
+  """Chen's sqrt(n) checkpoints over the linearized forward order (spacing searched).
+
+  Raises:
+    NoScheduleFoundError: no spacing meets the budget.
+  """
+  return _solve(graph, budget_bytes, "chen-sqrtn", "sqrtn", "linearized", order)
+
+
+def solve_chen_sqrtn_ap(graph: RematGraph, budget_bytes: int, *, order=None, **_) -> Schedule:
+  """Chen's sqrt(n) checkpoints restricted to articulation points (spacing searched)."""
+  return _solve(graph, budget_bytes, "chen-sqrtn-ap", "sqrtn", "ap", order)
+
+
+def solve_chen_greedy(graph: RematGraph, budget_bytes: int, *, order=None, **_) -> Schedule:
+  """Chen's greedy segments over the linearized forward order (segment budget searched).
+
+  Raises:
+    NoScheduleFoundError: no segment budget meets the memory budget.
+  """
+  return _solve(graph, budget_bytes, "chen-greedy", "greedy", "linearized", order)
+
+
+def solve_chen_greedy_ap(graph: RematGraph, budget_bytes: int, *, order=None, **_) -> Schedule:
+  """Chen's greedy segments over articulation points (segment budget searched)."""
+  return _solve(graph, budget_bytes, "chen-greedy-ap", "greedy", "ap", order)

@@ -1,0 +1,197 @@
+"""Helpers shared by the exact solvers (`moccasin`, `checkmate`): integer data, stats, checks."""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Sequence
+
+from jaxremat._src.errors import SolverError
+from jaxremat._src.graph import RematGraph
+from jaxremat._src.schedule import Schedule, schedule_from_computes
+from jaxremat._src.simulate import simulate
+from jaxremat._src.solvers.base import Progress, ProgressCallback
+
+# Integer costs are scaled so that the largest is about this many units when the graph's
+# costs are not integers (CP-SAT and the MIP objective work on integers).
+_COST_RESOLUTION = 10**6
+
+
+def integer_costs(graph: RematGraph) -> tuple[list[int], float]:
+  """Costs as small integers, and the factor that turns them back into graph units.
+
+  Integral costs are divided by their gcd (exact). Others are scaled so that the largest
+  is `_COST_RESOLUTION` units and rounded (exact up to that resolution).
+  """
+  costs = [graph.cost[v] for v in range(graph.n)]
+  if all(float(c).is_integer() for c in costs):
+    ints = [int(c) for c in costs]
+    g = math.gcd(*ints) or 1
+    return [c // g for c in ints], float(g)
+  scale = max(costs) / _COST_RESOLUTION
+  return [round(c / scale) for c in costs], scale
+
+
+def memory_unit(graph: RematGraph) -> int:
+  """The gcd of the non-input sizes: dividing demands and capacity by it is exact."""
+  return math.gcd(*(graph.mem[v] for v in graph.order)) or 1
+
+
+def duration_of(graph: RematGraph, computes: Sequence[int]) -> float:
+  return float(sum(graph.cost[v] for v in computes))
+
+
+class Clock:
+  """Wall time since the solve started, and the history of best durations."""
+
+  def __init__(self, progress: ProgressCallback | None):
+    self.start = time.perf_counter()
+    self.progress = progress
+    self.history: list[list[float]] = []
+    self.time_to_best_s: float | None = None
+
+  def elapsed_s(self) -> float:
+    return time.perf_counter() - self.start
+
+  def improved(self, duration: float, lower_bound: float | None = None, message: str = "") -> None:
+    """Records a new best schedule within budget and reports it."""
+    if self.history and duration >= self.history[-1][1]:
+      return
+    elapsed = self.elapsed_s()
+    self.history.append([elapsed, duration])
+    self.time_to_best_s = elapsed
+    if self.progress is not None:
+      self.progress(Progress(elapsed, duration, lower_bound, message))
+
+  def report(self, message: str, lower_bound: float | None = None) -> None:
+    if self.progress is not None:
+      best = self.history[-1][1] if self.history else None
+      self.progress(Progress(self.elapsed_s(), best, lower_bound, message))
+
+
+def checked_schedule(
+  graph: RematGraph, schedule: Schedule, budget_bytes: int, solver: str
+) -> Schedule:
+  """Returns ``schedule`` after the simulator confirmed it is valid and within budget.
+
+  Raises:
+    SolverError: the solver's model and the simulator disagree (a bug in the model).
+  """
+  result = simulate(graph, schedule)
+  if not result.valid:
+    raise SolverError(f"solver {solver!r} built an invalid schedule: {result.error}")
+  if result.peak_bytes > budget_bytes:
+    raise SolverError(
+      f"solver {solver!r} built a schedule peaking at {result.peak_bytes} bytes, over "
+      f"budget={budget_bytes} bytes; its memory model disagrees with the simulator."
+    )
+  return schedule
+
+
+# -- a fast warm start ---------------------------------------------------------------------
+
+# Eviction scores of `greedy_computes`, each a function of (bytes, recompute cost, steps
+# to the next use); the largest score is evicted first.
+_EVICTION_SCORES = {
+  "farthest": lambda mem, cost, gap: (gap, mem),
+  "bytes-per-cost": lambda mem, cost, gap: (mem * gap / (cost + 1.0), gap),
+  "bytes": lambda mem, cost, gap: (mem, gap),
+}
+
+
+def greedy_computes(graph: RematGraph, budget_bytes: int, score: str) -> list[int] | None:
+  """A compute sequence within budget by evict-and-recompute on the input order, or None.
+
+  Runs ``graph.order``; before each compute that would exceed the budget it drops a live
+  value that the compute does not need (the one ``score`` ranks first), and a dropped
+  value is recomputed, recursively, when it is needed again. First computes stay in the
+  input order, so the result also fits the staged model. Used as a warm start.
+  """
+  order, preds, mem, cost = graph.order, graph.compute_preds, graph.mem, graph.cost
+  position = {v: k for k, v in enumerate(order)}
+  end = len(order)
+  outputs = set(graph.outputs)
+  uses = {
+    u: sorted([position[w] for w in graph.succs[u]] + ([end] if u in outputs else []))
+    for u in order
+  }
+  rank = _EVICTION_SCORES[score]
+  free_bytes = budget_bytes - graph.resident_bytes
+  live: set[int] = set()
+  computes: list[int] = []
+  stage = 0
+  calls = 0
+
+  def next_use(u: int) -> int | None:
+    for k in uses[u]:
+      if k >= stage:
+        return k
+    return None
+
+  def gap(u: int) -> int:
+    k = next_use(u)
+    return 2 * end if k is None else k - stage
+
+  def cheap_to_recompute(u: int) -> bool:
+    # Its inputs stay live until it is needed again: no cascade of recomputations.
+    k = next_use(u)
+    return k is None or all(
+      p in live and next_use(p) is not None and next_use(p) >= k for p in preds[u]
+    )
+
+  def materialize(x: int, pinned: frozenset[int], depth: int) -> bool:
+    nonlocal free_bytes, calls
+    calls += 1
+    if depth > end or calls > 5 * end:
+      return False
+    pinned = pinned | set(preds[x])
+    for u in preds[x]:
+      if u not in live and not materialize(u, pinned, depth + 1):
+        return False
+    while free_bytes < mem[x]:
+      candidates = [u for u in live if u not in pinned]
+      if not candidates:
+        return False
+      victim = max(candidates, key=lambda u: (cheap_to_recompute(u), rank(mem[u], cost[u], gap(u))))
+      live.discard(victim)
+      free_bytes += mem[victim]
+      # Its inputs must still be there when it is recomputed: no cascade back to the sources.
+      k = next_use(victim)
+      if k is not None:
+        for p in preds[victim]:
+          bisect.insort(uses[p], k)
+    computes.append(x)
+    live.add(x)
+    free_bytes -= mem[x]
+    return True
+
+  try:
+    for stage, v in enumerate(order):  # noqa: B007 (next_use reads the stage)
+      if not materialize(v, frozenset(), 0):
+        return None
+      for u in [u for u in live if not uses[u] or uses[u][-1] <= stage]:
+        live.discard(u)
+        free_bytes += mem[u]
+    stage = end
+    for v in graph.outputs:
+      if (
+        not graph.is_input[v] and v not in live and not materialize(v, frozenset(graph.outputs), 0)
+      ):
+        return None
+  except RecursionError:
+    return None
+  return computes
+
+
+def best_greedy_computes(graph: RematGraph, budget_bytes: int) -> list[int] | None:
+  """The shortest `greedy_computes` sequence within budget over every eviction score."""
+  found = []
+  for score in _EVICTION_SCORES:
+    computes = greedy_computes(graph, budget_bytes, score)
+    if computes is None:
+      continue
+    result = simulate(graph, schedule_from_computes(graph, computes))
+    if result.valid and result.peak_bytes <= budget_bytes:
+      found.append((result.duration, computes))
+  return min(found, key=lambda f: f[0])[1] if found else None

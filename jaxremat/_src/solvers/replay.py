@@ -1,0 +1,277 @@
+"""Replaying a target order with recomputation on demand: the engine of the heuristic solvers.
+
+A heuristic decides *which* values to keep; `Replay` turns those decisions into a valid
+compute sequence. Asking for a node whose predecessors were dropped recomputes them
+(recursively, from whatever is still live), so every sequence it emits is a valid
+program; `schedule_from_computes` then frees each copy at its last read.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence
+
+from jaxremat._src.errors import NoScheduleFoundError
+from jaxremat._src.graph import RematGraph
+from jaxremat._src.schedule import Schedule, schedule_from_computes
+from jaxremat._src.simulate import SimulationResult, simulate
+
+# Ancestors a recompute-cost estimate visits before it stops (keeps eviction O(live)).
+_CLOSURE_LIMIT = 64
+
+
+class SequenceTooLongError(Exception):
+  """A replay passed its ``max_computes``: the heuristic is thrashing; give up on it."""
+
+
+class Replay:
+  """Builds a compute sequence for ``graph`` while tracking which values are live.
+
+  Args:
+    graph: the graph.
+    order: the target order (a topological order of the non-input nodes); positions in it
+      define "next use" for eviction and "dead" values.
+    budget_bytes: if given, `ensure` evicts live values (lowest recompute cost per byte
+      and per step until the next use first) before a compute would exceed it.
+    max_computes: raise `SequenceTooLongError` past this many computes (default 50 x
+      the number of nodes).
+    deadline: raise `SequenceTooLongError` when eviction runs past this
+      `time.perf_counter()` value.
+
+  Attributes:
+    computes: the compute sequence so far (recomputations included).
+    computed: per node, whether it has been computed at least once.
+    live: per node, whether a copy is live (available without recomputation).
+    now: position in ``order`` of the target being computed; set by the caller.
+  """
+
+  def __init__(
+    self,
+    graph: RematGraph,
+    order: Sequence[int],
+    budget_bytes: int | None = None,
+    max_computes: int | None = None,
+    deadline: float | None = None,
+  ):
+    self.graph = graph
+    self.deadline = deadline
+    self.max_computes = 50 * max(graph.n, 1) if max_computes is None else max_computes
+    self.budget_bytes = budget_bytes
+    self.position = [-1] * graph.n
+    for k, v in enumerate(order):
+      self.position[v] = k
+    preds = graph.compute_preds
+    self._uses: list[list[int]] = [[] for _ in range(graph.n)]
+    for v in order:
+      for u in preds[v]:
+        self._uses[u].append(self.position[v])
+    for uses in self._uses:
+      uses.sort()
+    self._is_output = [False] * graph.n
+    for v in graph.outputs:
+      self._is_output[v] = True
+    self.live = [False] * graph.n
+    self.live_set: set[int] = set()
+    self.live_bytes = 0
+    self.computes: list[int] = []
+    self.computed = [False] * graph.n
+    self.now = 0
+    self._pinned = [0] * graph.n
+
+  # -- primitives --------------------------------------------------------------------
+
+  def ensure(self, v: int) -> None:
+    """Makes ``v`` live, recomputing every dropped ancestor it needs (iteratively)."""
+    if self.live[v]:
+      return
+    preds = self.graph.compute_preds
+    stack = [v]
+    self._pin(v)
+    while stack:
+      u = stack[-1]
+      if self.live[u]:
+        stack.pop()
+        self._unpin(u)
+        continue
+      missing = [p for p in preds[u] if not self.live[p]]
+      if missing:
+        for p in missing:
+          stack.append(p)
+          self._pin(p)
+        continue
+      stack.pop()
+      self._make_room(u)
+      self.live[u] = True
+      self.live_set.add(u)
+      self.live_bytes += self.graph.mem[u]
+      self.computes.append(u)
+      self.computed[u] = True
+      self._unpin(u)
+      if len(self.computes) > self.max_computes:
+        raise SequenceTooLongError(f"more than {self.max_computes} computes")
+
+  def drop(self, v: int) -> None:
+    """Forgets the live copy of ``v``; a later reader recomputes it."""
+    if self.live[v]:
+      self.live[v] = False
+      self.live_set.discard(v)
+      self.live_bytes -= self.graph.mem[v]
+
+  def drop_dead(self, nodes: Sequence[int]) -> None:
+    """Drops those of ``nodes`` that no target after ``now`` reads (outputs stay)."""
+    for v in nodes:
+      if self.live[v] and not self._is_output[v] and self._next_use(v) is None:
+        self.drop(v)
+
+  def finish(self) -> list[int]:
+    """Makes every output live and returns the compute sequence."""
+    self.now = len(self.position)
+    for v in self.graph.outputs:
+      if not self.graph.is_input[v]:
+        self.ensure(v)
+    return self.computes
+
+  # -- eviction ----------------------------------------------------------------------
+
+  def _pin(self, v: int) -> None:
+    # The predecessors of a node waiting on the stack must survive eviction.
+    for p in self.graph.compute_preds[v]:
+      self._pinned[p] += 1
+
+  def _unpin(self, v: int) -> None:
+    for p in self.graph.compute_preds[v]:
+      self._pinned[p] -= 1
+
+  def _next_use(self, v: int) -> int | None:
+    uses = self._uses[v]
+    k = bisect.bisect_right(uses, self.now)
+    return uses[k] if k < len(uses) else None
+
+  def _make_room(self, v: int) -> None:
+    if self.budget_bytes is None:
+      return
+    mem, cost = self.graph.mem, self.graph.cost
+    limit = self.budget_bytes - self.graph.resident_bytes - mem[v]
+    while self.live_bytes > limit:
+      if self.deadline is not None and time.perf_counter() > self.deadline:
+        raise SequenceTooLongError("the time limit passed")
+      # Branch and bound: cost[w] / (mem[w] x steps) bounds w's rank from below, so
+      # candidates are refined in that order until no bound can beat the best rank.
+      bounds = []
+      for w in self.live_set:
+        if self._pinned[w] or w == v:
+          continue
+        nxt = self._next_use(w)
+        steps = max((len(self.position) if nxt is None else nxt) - self.now, 1)
+        dead = nxt is None and not self._is_output[w]
+        bounds.append((-1.0 if dead else cost[w] / (max(mem[w], 1) * steps), w))
+      bounds.sort()
+      best, best_key, best_next = None, None, None
+      for bound, w in bounds:
+        if best_key is not None and bound >= best_key[0]:
+          break
+        key, nxt = self._eviction_key(w)
+        if best_key is None or key < best_key:
+          best, best_key, best_next = w, key, nxt
+      if best is None:
+        return  # nothing evictable: the caller sees the overshoot in `simulate`
+      if best_next is not None:
+        # Recomputing `best` before its next reader needs its inputs then: they live
+        # until that point.
+        for p in self.graph.compute_preds[best]:
+          if self.live[p]:
+            bisect.insort(self._uses[p], best_next)
+      self.drop(best)
+
+  def _last_use(self, v: int) -> int:
+    return self._uses[v][-1] if self._uses[v] else -1
+
+  def _closure_cost(self, v: int, end: int, root: bool = False) -> float:
+    """Cost of recomputing ``v`` at ``end`` with every missing ancestor (capped search).
+
+    Values live now and read at or after ``end`` are assumed still live; past
+    `_CLOSURE_LIMIT` nodes the estimate stops growing (the cascade is already costly).
+    """
+    preds, cost = self.graph.compute_preds, self.graph.cost
+    seen, stack, total = {v}, [v], 0.0
+    while stack and len(seen) <= _CLOSURE_LIMIT:
+      u = stack.pop()
+      if u != v or not root:
+        if self.live[u] and (self._last_use(u) >= end or self._is_output[u]):
+          continue
+      total += cost[u]
+      for p in preds[u]:
+        if p not in seen:
+          seen.add(p)
+          stack.append(p)
+    return total
+
+  def _eviction_key(self, w: int) -> tuple[tuple[float, int], int | None]:
+    """(rank, next use whose recompute keeps the inputs) of evicting ``w``; lower is better.
+
+    Two ways to recompute ``w`` later: keep its inputs alive until then (as XLA extends
+    operand live ranges; saves ``mem[w]`` minus what they hold longer) or let them die
+    and recompute them too (saves ``mem[w]``, costs theirs).
+    """
+    nxt = self._next_use(w)
+    if nxt is None and not self._is_output[w]:
+      return (-1.0, w), None  # dead: free at no cost
+    end = len(self.position) if nxt is None else nxt
+    mem, cost = self.graph.mem, self.graph.cost
+    keep_cost, extended, dying = cost[w], 0, []
+    for p in self.graph.compute_preds[w]:
+      if not self.live[p]:
+        keep_cost += self._closure_cost(p, end)
+      elif self._last_use(p) < end and not self._is_output[p]:
+        extended += mem[p]
+        dying.append(p)
+    cascade_cost = keep_cost + sum(self._closure_cost(p, end, root=True) for p in dying)
+    # XLA ranks remat candidates by memory saved per recompute cost; dividing by the
+    # steps until the next reader (as DTR does) keeps values that are about to be read.
+    steps = max(end - self.now, 1)
+    cascade = cascade_cost / (max(mem[w], 1) * steps)
+    saved = mem[w] - extended
+    if saved > 0 and keep_cost / (saved * steps) <= cascade:
+      return (keep_cost / (saved * steps), w), end
+    return (cascade, w), None
+
+
+def evaluate(
+  graph: RematGraph,
+  computes: Sequence[int],
+  *,
+  solver: str,
+  budget_bytes: int | None = None,
+) -> tuple[Schedule, SimulationResult]:
+  """The schedule of a compute sequence (frees at last use) and its simulation."""
+  schedule = schedule_from_computes(graph, computes, solver=solver, budget=budget_bytes)
+  return schedule, simulate(graph, schedule)
+
+
+def pick_best(
+  candidates: Sequence[tuple[Schedule, SimulationResult]],
+  budget_bytes: int,
+  solver: str,
+  what: str,
+) -> Schedule:
+  """The shortest valid candidate within budget, with ``status="feasible"`` stats.
+
+  Raises:
+    NoScheduleFoundError: no candidate fits; the message names the least peak reached.
+  """
+  fitting = [
+    (r.duration, r.peak_bytes, k)
+    for k, (_, r) in enumerate(candidates)
+    if r.valid and r.peak_bytes <= budget_bytes
+  ]
+  if not fitting:
+    peaks = [r.peak_bytes for _, r in candidates if r.valid]
+    least = f"; the least peak it reached was {min(peaks)} bytes" if peaks else ""
+    raise NoScheduleFoundError(
+      f"solver {solver!r} found no schedule within budget={budget_bytes} bytes after "
+      f"trying {what}{least}; raise the budget or use solver='auto'."
+    )
+  _, _, k = min(fitting)
+  schedule, _ = candidates[k]
+  return schedule.replace(budget=budget_bytes, solver=solver, stats={"status": "feasible"})

@@ -1,0 +1,953 @@
+"""Trace a JAX function into a `RematGraph` whose baseline peak matches XLA's.
+
+The pipeline's first stage (ARCHITECTURE.md): make a jaxpr, inline the call-like
+equations (jit, custom_jvp/custom_vjp, checkpoint) into one flat jaxpr, group the
+equations into nodes (folding values XLA fuses and never materializes, fact 2), size
+each node by the bytes XLA keeps, and cost it with `jaxremat._src.costs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxremat._src import compat, costs, jaxpr_text
+from jaxremat._src.graph import Node, RematGraph
+
+# -- the Program: a flat jaxpr and the graph over it --------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A traced function: its flat jaxpr and the graph whose nodes group its equations.
+
+  Attributes:
+    jaxpr: the flat ``ClosedJaxpr``: jit/pjit, custom_jvp_call, custom_vjp_call and
+      checkpoint are inlined; scan, while and cond stay single equations.
+    graph: the `RematGraph`. Nodes ``0 .. len(jaxpr.invars) - 1`` are the invars,
+      then one node per constvar, then the equation nodes in jaxpr order.
+    node_eqns: per node, the ascending indices into ``jaxpr.jaxpr.eqns`` it stands
+      for; ``()`` for input nodes. Every equation is in exactly one node.
+    node_outvars: per node, the vars its equations produce that other nodes or the
+      function's outputs read (for an input node, its invar or constvar).
+    in_tree: treedef of the dynamic leaves of ``(args, kwargs)`` (static leaves
+      replaced by ``None``), whose leaves are the jaxpr invars in order.
+    out_tree: treedef of the function's output; its leaves are the jaxpr outvars.
+    arg_tree: treedef of the full ``(args, kwargs)`` the function was traced with.
+    dynamic_mask: per leaf of ``arg_tree``, whether it is an invar (True) or a static
+      value baked into the jaxpr (False).
+    static_leaves: the static leaves of ``arg_tree``, in order.
+  """
+
+  jaxpr: Any
+  graph: RematGraph
+  node_eqns: tuple[tuple[int, ...], ...]
+  node_outvars: tuple[tuple[Any, ...], ...]
+  in_tree: Any
+  out_tree: Any
+  arg_tree: Any
+  dynamic_mask: tuple[bool, ...]
+  static_leaves: tuple[Any, ...]
+
+  def flatten_args(self, *args, **kwargs) -> list[Any]:
+    """The jaxpr invar values for a call with the traced argument structure."""
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    if tree != self.arg_tree:
+      raise ValueError(
+        f"The arguments have structure {tree}, but the function was traced with "
+        f"{self.arg_tree}; call it with arguments of the traced structure."
+      )
+    return [x for x, dyn in zip(leaves, self.dynamic_mask, strict=True) if dyn]
+
+  def unflatten_outputs(self, flat_outputs: Sequence[Any]) -> Any:
+    """The function's output pytree from the values of the jaxpr outvars."""
+    return jax.tree_util.tree_unflatten(self.out_tree, list(flat_outputs))
+
+  def __call__(self, *args, **kwargs) -> Any:
+    """Evaluates the flat jaxpr: the traced function's result, for checking."""
+    flat = compat.eval_closed_jaxpr(self.jaxpr, *self.flatten_args(*args, **kwargs))
+    return self.unflatten_outputs(flat)
+
+
+def trace_program(
+  fn: Callable,
+  *args,
+  fold: bool = True,
+  costs: str = "xla",
+  workspace: bool = False,
+  static_argnums: int | Sequence[int] = (),
+  static_argnames: str | Sequence[str] = (),
+  name: str | None = None,
+  cache_dir: str | os.PathLike | None = None,
+  **kwargs,
+) -> Program:
+  """Traces ``fn(*args, **kwargs)`` into a `Program` (flat jaxpr + `RematGraph`).
+
+  Array leaves (``jax.Array``, numpy arrays and scalars, ``jax.ShapeDtypeStruct``)
+  are dynamic inputs; other leaves (Python numbers, strings, None, ...) and whole
+  arguments named by ``static_argnums``/``static_argnames`` are static: baked into
+  the jaxpr. ``fn`` may be plain or ``jax.jit``-wrapped.
+
+  Args:
+    fn: the function to trace (e.g. a training step).
+    *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
+    fold: fold values that XLA fuses into their consumers (ARCHITECTURE.md fact 2)
+      so that memory is charged only for what XLA keeps; False: one node per equation.
+    costs: ``"xla"`` (each distinct equation compiled alone, cost analysis and a
+      measured roofline), ``"measured"`` (each distinct equation timed) or ``"shape"``
+      (estimates from shapes only, nothing compiled).
+    workspace: give each equation that XLA runs with scratch buffers (transposed
+      operand copies of dots and convolutions, `workspace_bytes`) a scratch node
+      read only by it: no equations, no values, live only while that node computes.
+      Off by default: the graph then has no equation-less non-input nodes.
+    static_argnums: positions of arguments to treat as static.
+    static_argnames: names of keyword arguments to treat as static.
+    name: the graph's name (default: the function's name).
+    cache_dir: the cost cache directory (default ``$JAXREMAT_CACHE_DIR`` or
+      ``~/.cache/jaxremat``).
+    **kwargs: keyword arguments of ``fn``.
+
+  Returns:
+    The `Program`.
+
+  Raises:
+    ValueError: for an unknown ``costs`` mode or a ``static_argnums`` out of range.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxremat
+    >>> f = lambda x: (jnp.sin(x) * 2.0) @ x  # sin is fused into the mul: one node
+    >>> p = jaxremat.trace_program(f, jnp.ones((4, 4)), costs="shape")
+    >>> [p.graph.nodes[v].attrs["primitive"] for v in p.graph.order], p.node_eqns
+    (['mul', 'dot_general'], ((), (0, 1), (2,)))
+  """
+  if costs not in _COST_MODES:
+    raise ValueError(f"costs={costs!r} is not a cost mode; use one of {sorted(_COST_MODES)}.")
+  if isinstance(static_argnums, int):
+    static_argnums = (static_argnums,)
+  if isinstance(static_argnames, str):
+    static_argnames = (static_argnames,)
+  for i in static_argnums:
+    if not -len(args) <= i < len(args):
+      raise ValueError(
+        f"static_argnums contains {i}, but the function was given {len(args)} positional "
+        "arguments; name only positions that exist."
+      )
+  static_pos = {i % len(args) for i in static_argnums}
+  arg_leaves, arg_tree = jax.tree_util.tree_flatten((args, kwargs))
+  marked = (
+    tuple(_Static(a) if i in static_pos else a for i, a in enumerate(args)),
+    {k: _Static(v) if k in static_argnames else v for k, v in kwargs.items()},
+  )
+  marked_leaves = jax.tree_util.tree_leaves(marked, is_leaf=lambda x: isinstance(x, _Static))
+  # Each whole static argument stands for all of its leaves.
+  dynamic_mask = []
+  for leaf in marked_leaves:
+    if isinstance(leaf, _Static):
+      dynamic_mask.extend([False] * len(jax.tree_util.tree_leaves(leaf.value)))
+    else:
+      dynamic_mask.append(_is_array_leaf(leaf))
+  static_leaves = tuple(x for x, d in zip(arg_leaves, dynamic_mask, strict=True) if not d)
+  dyn_leaves = [x for x, d in zip(arg_leaves, dynamic_mask, strict=True) if d]
+  in_tree = jax.tree_util.tree_structure(
+    jax.tree_util.tree_unflatten(
+      arg_tree, [x if d else None for x, d in zip(arg_leaves, dynamic_mask, strict=True)]
+    )
+  )
+  out_trees = []
+
+  def flat_fn(*dyn):
+    it_dyn, it_static = iter(dyn), iter(static_leaves)
+    leaves = [next(it_dyn) if d else next(it_static) for d in dynamic_mask]
+    a, kw = jax.tree_util.tree_unflatten(arg_tree, leaves)
+    out = fn(*a, **kw)
+    flat_out, out_tree = jax.tree_util.tree_flatten(out)
+    out_trees.append(out_tree)
+    return flat_out
+
+  specs = [_spec(x) for x in dyn_leaves]
+  closed = flatten_jaxpr(jax.make_jaxpr(flat_fn)(*specs))
+  arg_names = _leaf_names((args, kwargs), dynamic_mask)
+  fn_name = name or getattr(fn, "__name__", None) or type(fn).__name__
+  return build_program(
+    closed,
+    fold=fold,
+    costs_mode=costs,
+    name=fn_name,
+    arg_names=arg_names,
+    in_tree=in_tree,
+    out_tree=out_trees[-1],
+    arg_tree=arg_tree,
+    dynamic_mask=tuple(dynamic_mask),
+    static_leaves=static_leaves,
+    cache_dir=cache_dir,
+    workspace=workspace,
+  )
+
+
+def trace(fn: Callable, *args, **kwargs) -> RematGraph:
+  """`trace_program(fn, *args, **kwargs).graph`: the `RematGraph` of ``fn``.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxremat
+    >>> g = jaxremat.trace(lambda x: (x @ x).sum(), jnp.ones((8, 8)), costs="shape")
+    >>> g.n, len(g.inputs), g.mem[g.order[0]]
+    (3, 1, 256)
+  """
+  return trace_program(fn, *args, **kwargs).graph
+
+
+def save_graph(fn: Callable, *args, path: str | os.PathLike, **kwargs) -> RematGraph:
+  """Traces ``fn`` and writes its graph as `jaxremat.graph/1` JSON to ``path``.
+
+  The jaxpr text is kept in ``meta["jaxpr"]`` for people to read (jaxprs cannot be
+  pickled, ARCHITECTURE.md fact 6). Returns the graph.
+  """
+  graph = trace(fn, *args, **kwargs)
+  graph.save(path)
+  return graph
+
+
+def graph_from_jaxpr_text(
+    text: str, *, source: str = "<jaxpr text>", name: str = "jaxpr", fold: bool = True
+) -> RematGraph:
+  """The graph of a jaxpr printed by ``print(jax.make_jaxpr(f)(*args))``.
+
+  The text keeps shapes, dtypes and most parameters but no source locations and no
+  constants, so costs are shape-based (``costs="shape"``); nodes, edges and sizes are
+  those `trace` gives for the live jaxpr.
+
+  Raises:
+    FormatError: naming the line and column of what the parser cannot read.
+  """
+  parsed = jaxpr_text.parse_jaxpr_text(text, source)
+  flat = jaxpr_text.inline_calls(parsed, compat.INLINE_PRIMITIVES, compat.BODY_PARAMS, source)
+  closed = jaxpr_text.to_closed_jaxpr(flat)
+  return build_program(closed, fold=fold, costs_mode="shape", name=name, printed_jaxpr=text).graph
+
+
+_COST_MODES = frozenset({"xla", "measured", "shape"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  value: Any
+
+
+def _is_array_leaf(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x
+  weak = bool(getattr(x, "weak_type", False))
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=weak)
+
+
+def _leaf_names(tree: Any, dynamic_mask: Sequence[bool]) -> list[str]:
+  paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+  names = []
+  for (path, _), dyn in zip(paths, dynamic_mask, strict=True):
+    if dyn:
+      text = jax.tree_util.keystr(path)
+      # ((args, kwargs)) -> "args[0]['w']" / "kwargs['lr']"
+      text = re.sub(r"^\[0\]", "args", text)
+      text = re.sub(r"^\[1\]", "kwargs", text)
+      names.append(text)
+  return names
+
+
+# -- inlining ----------------------------------------------------------------------------
+
+
+def flatten_jaxpr(closed: Any) -> Any:
+  """Inlines jit/pjit, custom_jvp_call, custom_vjp_call and checkpoint equations.
+
+  Re-traces the jaxpr with the call bodies evaluated in place, keeping each
+  equation's traceback and (outer + inner) name stack. scan, while and cond stay.
+  """
+  jaxpr, consts = compat.open_jaxpr(closed)
+  if not any(compat.inline_body(e) is not None for e in jaxpr.eqns):
+    return closed
+  specs = [
+    jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+    for v in jaxpr.invars
+  ]
+  # Closed-over constants must stay constvars: pass them in, then re-close.
+  n_consts = len(consts)
+
+  def run(*args):
+    return _eval_inlined(jaxpr, args[:n_consts], args[n_consts:])
+
+  const_specs = [_spec(c) if _is_array_leaf(c) else c for c in consts]
+  flat = jax.make_jaxpr(run)(*const_specs, *specs)
+  inner, inner_consts = compat.open_jaxpr(flat)
+  return _close_over(inner, inner_consts, n_consts, consts)
+
+
+def _close_over(jaxpr: Any, extra_consts: list[Any], n_consts: int, consts: list[Any]) -> Any:
+  """Turns the first ``n_consts`` invars back into constvars holding ``consts``."""
+  return compat.close_jaxpr(
+    jaxpr,
+    [*jaxpr.constvars, *jaxpr.invars[:n_consts]],
+    jaxpr.invars[n_consts:],
+    [*extra_consts, *consts],
+  )
+
+
+def _eval_inlined(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, compat.Literal) else env[v]
+
+  def write(v, value):
+    if not isinstance(v, compat.DropVar):
+      env[v] = value
+
+  for v, x in zip(jaxpr.constvars, consts, strict=True):
+    write(v, x)
+  for v, x in zip(jaxpr.invars, args, strict=True):
+    write(v, x)
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    body = compat.inline_body(eqn)
+    with compat.user_context(eqn, compat.current_name_stack()):
+      if body is not None:
+        inner, inner_consts = body
+        outs = _eval_inlined(inner, inner_consts, invals)
+      else:
+        with compat.eqn_ctx_manager(eqn):
+          outs = eqn.primitive.bind(*invals, **compat.bind_params(eqn))
+        if not eqn.primitive.multiple_results:
+          outs = [outs]
+    for v, x in zip(eqn.outvars, outs, strict=True):
+      write(v, x)
+  return [read(v) for v in jaxpr.outvars]
+
+
+# -- grouping equations into nodes ---------------------------------------------------------
+
+# Values XLA computes inside the fusion of their consumer (ARCHITECTURE.md fact 2).
+FUSIBLE_PRIMITIVES = frozenset(
+  {
+    "abs",
+    "acos",
+    "acosh",
+    "add",
+    "add_any",
+    "and",
+    "asin",
+    "asinh",
+    "atan",
+    "atan2",
+    "atanh",
+    "bitcast_convert_type",
+    "broadcast_in_dim",
+    "cbrt",
+    "ceil",
+    "clamp",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "cos",
+    "cosh",
+    "div",
+    "eq",
+    "erf",
+    "erf_inv",
+    "erfc",
+    "exp",
+    "exp2",
+    "expand_dims",
+    "expm1",
+    "floor",
+    "ge",
+    "gt",
+    "imag",
+    "integer_pow",
+    "iota",
+    "is_finite",
+    "le",
+    "lgamma",
+    "digamma",
+    "log",
+    "log1p",
+    "logistic",
+    "lt",
+    "max",
+    "min",
+    "mul",
+    "ne",
+    "neg",
+    "nextafter",
+    "not",
+    "or",
+    "pow",
+    "real",
+    "reduce_precision",
+    "rem",
+    "round",
+    "rsqrt",
+    "select_n",
+    "shift_left",
+    "shift_right_arithmetic",
+    "shift_right_logical",
+    "sign",
+    "sin",
+    "sinh",
+    "sqrt",
+    "square",
+    "squeeze",
+    "stop_gradient",
+    "sub",
+    "tan",
+    "tanh",
+    "xor",
+    "reshape",
+    "pad",
+    "slice",
+    "concatenate",
+    "rev",
+    "transpose",
+    "dynamic_slice",
+    "population_count",
+    "clz",
+    "conj",
+  }
+)
+# Consumers whose fusion can absorb fusible producers (loop and input fusion on XLA:CPU).
+FUSING_CONSUMERS = FUSIBLE_PRIMITIVES | frozenset(
+  {
+    "reduce_sum",
+    "reduce_max",
+    "reduce_min",
+    "reduce_prod",
+    "reduce_and",
+    "reduce_or",
+    "argmax",
+    "argmin",
+    "dynamic_update_slice",
+    "select_and_scatter_add",
+  }
+)
+HIGHER_ORDER_PRIMITIVES = frozenset({"scan", "while", "cond"})
+
+
+# Elementwise operations XLA will not duplicate into several consumers (too costly).
+EXPENSIVE_PRIMITIVES = frozenset(
+  {
+    "div",
+    "rem",
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log1p",
+    "tanh",
+    "logistic",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "pow",
+    "sin",
+    "cos",
+    "tan",
+    "asin",
+    "acos",
+    "atan",
+    "atan2",
+    "sinh",
+    "cosh",
+    "asinh",
+    "acosh",
+    "atanh",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "lgamma",
+    "digamma",
+    "integer_pow",
+  }
+)
+
+
+def _duplicable(eqn: Any) -> bool:
+  """Whether XLA would recompute ``eqn`` inside each of several consumer fusions.
+
+  Not expensive ones, and not broadcasts of whole arrays: XLA:CPU's dot fusions
+  (XNNPACK) take those as materialized operands (e.g. softmax's 1/sum).
+  """
+  name = eqn.primitive.name
+  if name in EXPENSIVE_PRIMITIVES:
+    return False
+  if name == "broadcast_in_dim":
+    return all(math.prod(getattr(v.aval, "shape", ())) <= 1 for v in eqn.invars)
+  return True
+
+
+def _group_equations(jaxpr: Any, fold: bool) -> tuple[list[list[int]], set[int]]:
+  """Groups equation indices into nodes; each group's last equation is its root.
+
+  Folding runs from the end: a fusible, effect-free equation whose outputs are all
+  read by equations of one group, each able to fuse it, and none a function output,
+  joins that group. A cheap one read by several such groups stays a group of its own
+  that XLA duplicates into each reader (returned in the second set: its value is
+  never materialized). Every edge then runs from an earlier root to a later one.
+  """
+  eqns = jaxpr.eqns
+  readers: dict[Any, list[int]] = {}
+  for k, eqn in enumerate(eqns):
+    for v in eqn.invars:
+      if isinstance(v, compat.Var) and not isinstance(v, compat.Literal):
+        readers.setdefault(v, []).append(k)
+  outvars = {v for v in jaxpr.outvars if isinstance(v, compat.Var)}
+  group_of = [-1] * len(eqns)
+  groups: list[list[int]] = []
+  duplicated: set[int] = set()
+  for k in range(len(eqns) - 1, -1, -1):
+    eqn = eqns[k]
+    target = None
+    dup = False
+    if fold and eqn.primitive.name in FUSIBLE_PRIMITIVES and not eqn.effects:
+      outs = [v for v in eqn.outvars if not isinstance(v, compat.DropVar)]
+      rs = [r for v in outs for r in readers.get(v, ())]
+      if rs and not any(v in outvars for v in outs):
+        gs = {group_of[r] for r in rs}
+        fusing = all(eqns[r].primitive.name in FUSING_CONSUMERS for r in rs)
+        if len(gs) == 1 and fusing:
+          target = gs.pop()
+        elif fusing and _duplicable(eqn) and not gs & duplicated:
+          dup = True
+    if target is None:
+      group_of[k] = len(groups)
+      if dup:
+        duplicated.add(len(groups))
+      groups.append([k])
+    else:
+      group_of[k] = target
+      groups[target].append(k)
+  order = sorted(range(len(groups)), key=lambda g: max(groups[g]))
+  out = [sorted(groups[g]) for g in order]
+  dup_roots = {max(groups[g]) for g in duplicated}
+  if fold:
+    out = _merge_in_place(jaxpr, out, readers, outvars, dup_roots)
+  return out, {i for i, g in enumerate(out) if g[-1] in dup_roots}
+
+
+# Roots whose output XLA may write into the buffer of a same-shape operand that dies there.
+_SHAPE_CHANGING = frozenset(
+  {
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "pad",
+    "slice",
+    "concatenate",
+    "rev",
+    "transpose",
+    "dynamic_slice",
+    "iota",
+  }
+)
+
+
+def _merge_in_place(
+  jaxpr: Any,
+  groups: list[list[int]],
+  readers: dict[Any, list[int]],
+  outvars: set[Any],
+  dup_roots: set[int],
+) -> list[list[int]]:
+  """Merges an elementwise group into the group whose only value it consumes in place.
+
+  XLA's buffer assignment lets an elementwise fusion write into the buffer of a
+  same-shape operand whose last use it is (e.g. bias-add + tanh into the dot's output).
+  When group p exports exactly one value x, read only by group g, and g's root is
+  elementwise with x's shape and dtype, charging both would overstate the peak: the
+  two groups become one node that keeps only g's output. No other path runs from p to
+  g, so the merge keeps the graph acyclic.
+  """
+  eqns = jaxpr.eqns
+  group_of = {k: gi for gi, g in enumerate(groups) for k in g}
+  producer = {v: group_of[k] for k, e in enumerate(eqns) for v in e.outvars}
+
+  def exports(g: list[int]) -> list[Any]:
+    members = set(g)
+    out = []
+    for k in g:
+      for v in eqns[k].outvars:
+        if isinstance(v, compat.DropVar):
+          continue
+        if v in outvars or any(r not in members for r in readers.get(v, ())):
+          out.append(v)
+    return out
+
+  merged_into: dict[int, int] = {}  # group index -> the group it joined
+  members = [list(g) for g in groups]
+  for gi, g in enumerate(groups):
+    root = eqns[g[-1]]
+    if g[-1] in dup_roots:
+      continue
+    if root.primitive.name not in FUSIBLE_PRIMITIVES or root.primitive.name in _SHAPE_CHANGING:
+      continue
+    if root.effects or len(root.outvars) != 1:
+      continue
+    out_aval = root.outvars[0].aval
+    operands = [v for k in g for v in eqns[k].invars]
+    for v in operands:
+      if isinstance(v, compat.Literal) or v not in producer:
+        continue
+      p = producer[v]
+      while p in merged_into:
+        p = merged_into[p]
+      if p == gi or members[p] is None or members[p][-1] in dup_roots:
+        continue
+      aval = v.aval
+      if (
+        getattr(aval, "shape", None) != getattr(out_aval, "shape", None)
+        or aval.dtype != out_aval.dtype
+      ):
+        continue
+      if exports(members[p]) != [v] or v in outvars:
+        continue
+      if any(group_of[r] != gi for r in readers.get(v, ())):
+        continue
+      if any(
+        eqns[k].effects or eqns[k].primitive.name in HIGHER_ORDER_PRIMITIVES for k in members[p]
+      ):
+        continue  # scan/while/cond stay nodes of their own
+      members[gi] = sorted(members[p] + members[gi])
+      members[p] = None
+      merged_into[p] = gi
+      break
+  return [m for m in members if m is not None]
+
+
+# -- building the graph --------------------------------------------------------------------
+
+
+def build_program(
+  closed: Any,
+  *,
+  fold: bool = True,
+  costs_mode: str = "xla",
+  name: str = "program",
+  arg_names: Sequence[str] | None = None,
+  in_tree: Any = None,
+  out_tree: Any = None,
+  arg_tree: Any = None,
+  dynamic_mask: tuple[bool, ...] = (),
+  static_leaves: tuple[Any, ...] = (),
+  cache_dir: str | os.PathLike | None = None,
+  workspace: bool = False,
+  printed_jaxpr: str | None = None,
+) -> Program:
+  """Builds the `Program` of an already flat ``ClosedJaxpr`` (see `trace_program`).
+
+  ``printed_jaxpr`` is kept in the graph's meta for people (default: ``str(closed)``).
+  """
+  jaxpr = closed.jaxpr
+  n_in = len(jaxpr.invars) + len(jaxpr.constvars)
+  groups, duplicated = _group_equations(jaxpr, fold)
+  producer: dict[Any, int] = {}
+  for i, v in enumerate([*jaxpr.invars, *jaxpr.constvars]):
+    producer[v] = i
+  for g, eqn_ids in enumerate(groups):
+    for k in eqn_ids:
+      for v in jaxpr.eqns[k].outvars:
+        if not isinstance(v, compat.DropVar):
+          producer[v] = n_in + g
+  n = n_in + len(groups)
+  edges: set[tuple[int, int]] = set()
+  exported: list[set[Any]] = [set() for _ in range(n)]
+  for g, eqn_ids in enumerate(groups):
+    v_node = n_in + g
+    for k in eqn_ids:
+      for v in jaxpr.eqns[k].invars:
+        if isinstance(v, compat.Literal):
+          continue
+        u = producer[v]
+        if u != v_node:
+          edges.add((u, v_node))
+          exported[u].add(v)
+  # XLA recomputes a duplicated value inside each reader's fusion: its operands, not
+  # the value, stay live until the last reader.
+  for d in duplicated:
+    d_node = n_in + d
+    sources = [u for u, w in edges if w == d_node]
+    sinks = [w for u, w in edges if u == d_node]
+    edges.update((u, w) for u in sources for w in sinks)
+  outputs = []
+  for v in jaxpr.outvars:
+    if isinstance(v, compat.Literal):
+      continue
+    u = producer[v]
+    exported[u].add(v)
+    if u not in outputs:
+      outputs.append(u)
+  node_outvars: list[tuple[Any, ...]] = [(v,) for v in [*jaxpr.invars, *jaxpr.constvars]]
+  for g, eqn_ids in enumerate(groups):
+    outs = [
+      v
+      for k in eqn_ids
+      for v in jaxpr.eqns[k].outvars
+      if not isinstance(v, compat.DropVar) and v in exported[n_in + g]
+    ]
+    node_outvars.append(tuple(outs))
+  eqn_costs = costs.equation_costs(jaxpr.eqns, mode=costs_mode, cache_dir=cache_dir)
+  arg_names = list(arg_names or [f"arg{i}" for i in range(len(jaxpr.invars))])
+  nodes = []
+  for i, v in enumerate(jaxpr.invars):
+    nodes.append(_input_node(i, arg_names[i], v, "argument"))
+  for j, v in enumerate(jaxpr.constvars):
+    nodes.append(_input_node(len(jaxpr.invars) + j, f"const[{j}]", v, "constant"))
+  for g, eqn_ids in enumerate(groups):
+    nodes.append(
+      _eqn_node(
+        n_in + g,
+        [jaxpr.eqns[k] for k in eqn_ids],
+        eqn_ids,
+        node_outvars[n_in + g],
+        [eqn_costs[k] for k in eqn_ids],
+        g in duplicated,
+      )
+    )
+  node_eqns = [() for _ in range(n_in)] + [tuple(g) for g in groups]
+  if workspace:
+    nodes, edges, outputs, node_eqns, node_outvars = _add_workspace_nodes(
+      n_in, nodes, edges, outputs, node_eqns, node_outvars
+    )
+  graph = RematGraph(
+    name=name,
+    nodes=tuple(nodes),
+    edges=tuple(sorted(edges)),
+    inputs=tuple(range(n_in)),
+    outputs=tuple(outputs),
+    order=tuple(range(n_in, len(nodes))),
+    meta={
+      "source": "jaxremat.trace",
+      "jaxpr": str(closed) if printed_jaxpr is None else printed_jaxpr,
+      "fold": fold,
+      "workspace": workspace,
+      "costs": costs_mode,
+      "backend": compat.backend_name(),
+      "jax_version": jax.__version__,
+      "n_eqns": len(jaxpr.eqns),
+      "roofline": costs.roofline_meta(costs_mode, cache_dir),
+    },
+  )
+  return Program(
+    jaxpr=closed,
+    graph=graph,
+    node_eqns=tuple(node_eqns),
+    node_outvars=tuple(node_outvars),
+    in_tree=in_tree,
+    out_tree=out_tree,
+    arg_tree=arg_tree,
+    dynamic_mask=dynamic_mask,
+    static_leaves=static_leaves,
+  )
+
+
+def _add_workspace_nodes(n_in, nodes, edges, outputs, node_eqns, node_outvars):
+  """Puts a scratch node right before each node with ``workspace_bytes``.
+
+  The scratch node has no equations and no values; its only reader is the node it
+  serves, so under FORMATS.md semantics it is live exactly while that node computes
+  (and again whenever a schedule recomputes it), as XLA's scratch buffers are.
+  """
+  new_id: dict[int, int] = {v: v for v in range(n_in)}
+  out_nodes = list(nodes[:n_in])
+  out_eqns = list(node_eqns[:n_in])
+  out_vars = list(node_outvars[:n_in])
+  scratch_edges = []
+  for node in nodes[n_in:]:
+    scratch = node.attrs.get("workspace_bytes", 0)
+    if scratch:
+      w = len(out_nodes)
+      attrs = {
+        "primitive": "workspace",
+        "shapes": [],
+        "dtypes": [],
+        "flops": 0.0,
+        "bytes_accessed": 0.0,
+        "source": node.attrs["source"],
+        "name_stack": node.attrs["name_stack"],
+        "backward": node.attrs["backward"],
+        "eqns": [],
+        "cost_source": "none",
+        "workspace_for": w + 1,
+      }
+      out_nodes.append(Node(w, f"workspace of {node.name}", scratch, 0.0, attrs))
+      out_eqns.append(())
+      out_vars.append(())
+      scratch_edges.append((w, w + 1))
+    new_id[node.id] = len(out_nodes)
+    out_nodes.append(dataclasses.replace(node, id=len(out_nodes)))
+    out_eqns.append(node_eqns[node.id])
+    out_vars.append(node_outvars[node.id])
+  new_edges = {(new_id[u], new_id[v]) for u, v in edges} | set(scratch_edges)
+  return out_nodes, new_edges, [new_id[v] for v in outputs], out_eqns, out_vars
+
+
+def _avals_attrs(vs: Sequence[Any]) -> dict[str, Any]:
+  shapes = [list(getattr(v.aval, "shape", ())) for v in vs]
+  dtypes = [str(getattr(v.aval, "dtype", type(v.aval).__name__)) for v in vs]
+  attrs: dict[str, Any] = {"shapes": shapes, "dtypes": dtypes}
+  if len(vs) == 1:
+    attrs["shape"], attrs["dtype"] = shapes[0], dtypes[0]
+  return attrs
+
+
+def _input_node(i: int, name: str, v: Any, kind: str) -> Node:
+  attrs = {"primitive": kind, **_avals_attrs([v]), "eqns": []}
+  return Node(i, name, compat.aval_bytes(v.aval), 0.0, attrs)
+
+
+def _eqn_node(
+  i: int,
+  eqns: list[Any],
+  eqn_ids: list[int],
+  outvars: Sequence[Any],
+  eqn_costs: list[Any],
+  duplicated: bool,
+) -> Node:
+  root = eqns[-1]
+  prim = root.primitive.name
+  source = compat.eqn_source(root)
+  stack = compat.name_stack_str(root)
+  # A duplicated value lives only inside its readers' fusions: XLA keeps nothing.
+  out_bytes = 0 if duplicated else sum(compat.aval_bytes(v.aval) for v in outvars)
+  workspace = sum(workspace_bytes(e) for e in eqns)
+  attrs: dict[str, Any] = {
+    "primitive": prim,
+    **_avals_attrs(outvars),
+    "flops": float(sum(c.flops for c in eqn_costs)),
+    "bytes_accessed": float(sum(c.bytes_accessed for c in eqn_costs)),
+    "source": source,
+    "name_stack": stack,
+    "backward": "transpose(" in stack,
+    "eqns": list(eqn_ids),
+    "cost_source": _merge_sources(c.source for c in eqn_costs),
+  }
+  if len(eqns) > 1:
+    attrs["fused"] = [e.primitive.name for e in eqns]
+  if workspace:
+    attrs["workspace_bytes"] = workspace
+  if duplicated:
+    attrs["duplicated"] = True
+  if any(e.effects for e in eqns):
+    attrs["effectful"] = True
+  if prim in HIGHER_ORDER_PRIMITIVES:
+    attrs["internal_bytes"] = _internal_bytes(root)
+  short = (
+    os.path.basename(source.split(":")[0]) + ":" + source.split(":")[1] if ":" in source else source
+  )
+  return Node(i, f"{prim} @ {short}", out_bytes, float(sum(c.seconds for c in eqn_costs)), attrs)
+
+
+def _merge_sources(sources) -> str:
+  s = set(sources)
+  return s.pop() if len(s) == 1 else "mixed"
+
+
+# -- memory XLA allocates that the jaxpr does not show ------------------------------------
+
+
+def workspace_bytes(eqn: Any) -> int:
+  """Scratch bytes XLA allocates for ``eqn`` beyond its outputs (ARCHITECTURE.md fact 2).
+
+  XLA:CPU runs batched dots and convolutions in one canonical layout (batch dims first,
+  features last); layout assignment inserts a transposed copy of every operand (and
+  output) in another layout. Gradients of dots and convolutions are the usual case.
+  The scratch lives only while the equation runs, so it is a node attribute, not part
+  of ``mem`` (which stays live as long as the output: charging it there overstated
+  the U-Net and ResNet peaks by 20-60%).
+  """
+  name = eqn.primitive.name
+  if name == "dot_general":
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars
+    total = 0
+    nb_l, nb_r = len(lb), len(rb)
+    if tuple(lb) != tuple(range(nb_l)) or tuple(lc) != tuple(
+      range(lhs.aval.ndim - len(lc), lhs.aval.ndim)
+    ):
+      total += compat.aval_bytes(lhs.aval)
+    if tuple(rb) != tuple(range(nb_r)) or tuple(rc) != tuple(range(nb_r, nb_r + len(rc))):
+      total += compat.aval_bytes(rhs.aval)
+    return total
+  if name == "conv_general_dilated":
+    # One transposed copy is live at a time; the largest bounds the scratch.
+    dn = eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars
+    nd = lhs.aval.ndim
+    spatial = tuple(range(1, nd - 1))
+    copies = [0]
+    if tuple(dn.lhs_spec) != (0, nd - 1, *spatial):
+      copies.append(compat.aval_bytes(lhs.aval))
+    if tuple(dn.rhs_spec) != (nd - 1, nd - 2, *range(nd - 2)):
+      copies.append(compat.aval_bytes(rhs.aval))
+    if tuple(dn.out_spec) != (0, nd - 1, *spatial):
+      copies.append(compat.aval_bytes(eqn.outvars[0].aval))
+    return max(copies)
+  return 0
+
+
+def _dot_operand_canonical(ndim: int, batch: Sequence[int], contract: Sequence[int]) -> bool:
+  nb, nc = len(batch), len(contract)
+  if tuple(batch) != tuple(range(nb)):
+    return False
+  return tuple(contract) in (tuple(range(nb, nb + nc)), tuple(range(ndim - nc, ndim)))
+
+
+def _internal_bytes(eqn: Any) -> int:
+  """Estimated bytes live inside a scan/while/cond body beyond its carried values.
+
+  The largest sum of one body's equation outputs is an upper bound on what one
+  iteration keeps live at once; the body's own inputs and outputs are the node's.
+  """
+  best = 0
+  for body in compat.inner_jaxprs(eqn):
+    total = sum(compat.aval_bytes(v.aval) for e in body.eqns for v in e.outvars)
+    best = max(best, total)
+  return best
+
+
+# -- XLA's accounting of the peak -----------------------------------------------------------
+
+
+def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None) -> int:
+  """The peak as XLA's ``memory_analysis`` counts it, for ``schedule`` (default: baseline).
+
+  XLA allocates the output buffers before the program runs and keeps them to the end,
+  so its figure (argument + output + temp - alias) charges every output from the
+  start. This is the simulated memory at each compute event plus the outputs that are
+  not computed yet.
+  """
+  from jaxremat._src.simulate import baseline_schedule, simulate
+
+  schedule = schedule or baseline_schedule(graph)
+  result = simulate(graph, schedule)
+  if not result.valid:
+    raise ValueError(f"The schedule is invalid for graph {graph.name!r}: {result.error}")
+  pending = {v for v in graph.outputs if not graph.is_input[v]}
+  pending_bytes = sum(graph.mem[v] for v in pending)
+  peak = graph.resident_bytes + pending_bytes
+  for (kind, v), after in zip(schedule.events, result.timeline_bytes, strict=True):
+    if kind != "compute":
+      continue
+    if v in pending:
+      pending.discard(v)
+      pending_bytes -= graph.mem[v]
+    peak = max(peak, after + pending_bytes)
+  return peak

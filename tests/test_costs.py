@@ -1,0 +1,102 @@
+"""Tests for jaxremat._src.costs: XLA cost analysis, roofline, cache, shape fallback."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxremat
+from jaxremat._src import compat, costs
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+  costs.clear_memory_cache()
+  yield tmp_path
+  costs.clear_memory_cache()
+
+
+def _step(x, w):
+  return jnp.tanh(x @ w).sum()
+
+
+ARGS = (jnp.ones((64, 32)), jnp.ones((32, 16)))
+
+
+def test_xla_costs_and_cache_round_trip(cache_dir):
+  p = jaxremat.trace_program(_step, *ARGS, cache_dir=cache_dir)
+  dot = next(n for n in p.graph.nodes if n.attrs["primitive"] == "dot_general")
+  assert dot.attrs["cost_source"] == "xla"
+  assert dot.attrs["flops"] == 2 * 64 * 32 * 16  # XLA's count for the matmul alone
+  roof = p.graph.meta["roofline"]
+  assert roof["flops_per_s"] > 1e6 and roof["bytes_per_s"] > 1e6
+  expected = max(
+    dot.attrs["flops"] / roof["flops_per_s"], dot.attrs["bytes_accessed"] / roof["bytes_per_s"]
+  )
+  assert dot.cost == pytest.approx(expected, rel=1e-12)
+  files = sorted(f.name for f in cache_dir.iterdir())
+  assert any(f.startswith("costs-") for f in files) and any(
+    f.startswith("roofline-") for f in files
+  )
+  cost_file = next(cache_dir.glob("costs-*.json"))
+  data = json.loads(cost_file.read_text())
+  assert data["format"] == costs.CACHE_FORMAT and len(data["entries"]) >= 2
+  # From the disk cache alone (memory cleared) the costs are identical.
+  costs.clear_memory_cache()
+  cache = costs.CostCache(cache_dir)
+  assert cache.entries == data["entries"]
+  again = jaxremat.trace_program(_step, *ARGS, cache_dir=cache_dir)
+  assert again.graph.cost == p.graph.cost
+  assert json.loads(cost_file.read_text())["entries"] == data["entries"]
+
+
+def test_corrupt_cache_is_rebuilt(cache_dir):
+  jaxremat.trace(_step, *ARGS, cache_dir=cache_dir)
+  cost_file = next(cache_dir.glob("costs-*.json"))
+  cost_file.write_text("{not json")
+  costs.clear_memory_cache()
+  g = jaxremat.trace(_step, *ARGS, cache_dir=cache_dir)
+  assert all(n.attrs["cost_source"] == "xla" for n in g.nodes if not g.is_input[n.id])
+  assert json.loads(cost_file.read_text())["format"] == costs.CACHE_FORMAT
+
+
+def test_shape_fallback_for_effects_and_shape_mode(cache_dir):
+  def f(x):
+    jax.debug.callback(lambda v: None, x)
+    return x @ x
+
+  g = jaxremat.trace(f, jnp.ones((8, 8)), cache_dir=cache_dir)
+  sources = {n.attrs["primitive"]: n.attrs["cost_source"] for n in g.nodes if not g.is_input[n.id]}
+  assert sources == {"debug_callback": "shape", "dot_general": "xla"}
+  shaped = jaxremat.trace(f, jnp.ones((8, 8)), costs="shape")
+  dot = next(n for n in shaped.nodes if n.attrs["primitive"] == "dot_general")
+  assert dot.attrs["cost_source"] == "shape" and dot.attrs["flops"] == 2 * 8 * 8 * 8
+  assert shaped.meta["roofline"] is None
+
+
+def test_measured_mode(cache_dir):
+  g = jaxremat.trace(_step, *ARGS, costs="measured", cache_dir=cache_dir)
+  computed = [n for n in g.nodes if not g.is_input[n.id]]
+  assert all(n.attrs["cost_source"] == "measured" and n.cost > 0 for n in computed)
+
+
+def test_signature_distinguishes_params_and_avals():
+  def two(x):
+    return jnp.sum(x, axis=0), jnp.sum(x, axis=1), jnp.sum(x[:2], axis=1)
+
+  eqns = jax.make_jaxpr(two)(jnp.ones((3, 4))).jaxpr.eqns
+  sums = [e for e in eqns if e.primitive.name == "reduce_sum"]
+  keys = {costs.signature(e, "cpu") for e in sums}
+  assert len(keys) == 3
+  assert costs.signature(sums[0], "cpu") != costs.signature(sums[0], "gpu")
+
+
+def test_cost_analysis_dict_accepts_old_list_form():
+  class OldCompiled:  # jax < 0.4.30 returned a one-element list
+    def cost_analysis(self):
+      return [{"flops": 3.0}]
+
+  assert compat.cost_analysis_dict(OldCompiled()) == {"flops": 3.0}
+  compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile()
+  assert "bytes accessed" in compat.cost_analysis_dict(compiled)

@@ -1,0 +1,234 @@
+"""`emit` and `verify` on real XLA:CPU compilations: same values, recomputation kept."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxremat
+from jaxremat._src.emit import always_true, apply_fence, default_fence, emit
+from jaxremat._src.segments import segment_schedule
+from jaxremat._src.trace import trace_program
+from jaxremat._src.verify import count_hlo_ops, planned_recomputes, verify
+
+LAYERS, BATCH, WIDTH = 6, 512, 64
+
+
+def mlp_loss(params, x):
+  h = x
+  for w in params:
+    h = jnp.tanh(h @ w)
+  return jnp.sum(h * h)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+  key = jax.random.key(0)
+  params = [
+    jax.random.normal(jax.random.fold_in(key, i), (WIDTH, WIDTH)) / np.sqrt(WIDTH)
+    for i in range(LAYERS)
+  ]
+  x = jax.random.normal(key, (BATCH, WIDTH))
+  step = jax.value_and_grad(mlp_loss)
+  program = trace_program(step, params, x, costs="shape")
+  return step, program, (params, x)
+
+
+def assert_trees_allclose(actual, expected, rtol=1e-5, atol=1e-6):
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+def dots(fn, *args, **jit_kwargs) -> int:
+  text = jax.jit(fn, **jit_kwargs).lower(*args).compile().as_text()
+  return count_hlo_ops(text).get("dot", 0)
+
+
+def test_segment_schedule_recomputes_forward_dots(mlp):
+  _, program, _ = mlp
+  schedule = segment_schedule(program.graph, 3)
+  result = jaxremat.simulate(program.graph, schedule)
+  assert result.valid, result.error
+  base = jaxremat.simulate(program.graph, jaxremat.baseline_schedule(program.graph))
+  assert result.peak_bytes < base.peak_bytes
+  assert planned_recomputes(program, schedule)["dot"] >= 2
+  recomputed = {v for v in schedule.computes if schedule.computes.count(v) > 1}
+  assert not any(program.graph.nodes[v].attrs["backward"] for v in recomputed)
+
+
+@pytest.mark.parametrize("fence", ["cond", "cond-branch", "select", "barrier", "none"])
+def test_emitted_step_equals_original(mlp, fence):
+  step, program, args = mlp
+  emitted = emit(program, segment_schedule(program.graph, 3), fence=fence)
+  assert_trees_allclose(jax.jit(emitted)(*args), jax.jit(step)(*args))
+  assert_trees_allclose(emitted(*args), step(*args))
+
+
+def test_emit_traces_a_function_and_keeps_its_name(mlp):
+  _, _, args = mlp
+  graph = trace_program(mlp_loss, *args, costs="shape").graph
+  emitted = emit(mlp_loss, segment_schedule(graph, 2), *args)
+  assert emitted.__name__ == "mlp_loss"
+  np.testing.assert_allclose(emitted(*args), mlp_loss(*args), rtol=1e-6)
+
+
+def test_grad_of_emitted_forward_equals_grad_of_original(mlp):
+  _, _, args = mlp
+  program = trace_program(mlp_loss, *args, costs="shape")
+  # Recompute the first two nodes (the first layer's dot and what follows) right away.
+  order = list(program.graph.order)
+  computes = order[:2] + order[:2] + order[2:]
+  schedule = jaxremat.schedule_from_computes(program.graph, computes)
+  assert jaxremat.simulate(program.graph, schedule).n_recompute == 2
+  emitted = emit(program, schedule, fence="cond")
+  assert_trees_allclose(jax.jit(jax.grad(emitted))(*args), jax.jit(jax.grad(mlp_loss))(*args))
+  assert_trees_allclose(
+    jax.jit(jax.grad(emitted, argnums=1))(*args), jax.jit(jax.grad(mlp_loss, argnums=1))(*args)
+  )
+
+
+def test_emitted_step_under_jit_with_donated_params(mlp):
+  step, program, args = mlp
+  emitted = emit(program, segment_schedule(program.graph, 3), fence="cond")
+  expected = jax.jit(step)(*args)
+  params = [jnp.array(w, copy=True) for w in args[0]]
+  got = jax.jit(emitted, donate_argnums=0)(params, args[1])
+  assert_trees_allclose(got, expected)
+  assert all(w.is_deleted() for w in params)
+
+
+@pytest.mark.parametrize("fence", ["cond", "cond-branch", "select"])
+def test_data_dependent_fences_keep_recomputation_and_none_loses_it(mlp, fence):
+  step, program, args = mlp
+  schedule = segment_schedule(program.graph, 3)
+  planned = planned_recomputes(program, schedule)["dot"]
+  assert planned >= 2
+  original = dots(step, *args)
+  assert dots(emit(program, schedule, fence=fence), *args) == original + planned
+  # Without a fence XLA's CSE merges every recomputation away (ARCHITECTURE.md fact 1).
+  assert dots(emit(program, schedule, fence="none"), *args) == original
+
+
+def test_verify_reports_plan_kept_and_memory_lowered(mlp):
+  step, program, args = mlp
+  schedule = segment_schedule(program.graph, 3)
+  kept = verify(step, emit(program, schedule, fence="cond"), schedule, *args)
+  assert kept.outputs_match and kept.max_abs_error < 1e-4
+  assert kept.recomputes_survive
+  assert kept.planned_recomputes["dot"] == kept.surviving_recomputes["dot"] >= 2
+  assert kept.emitted.temp_bytes < kept.original.temp_bytes
+  assert kept.measured_flops_increase == pytest.approx(kept.planned_flops_increase, rel=0.05)
+  assert kept.predicted_peak_bytes < kept.predicted_baseline_peak_bytes
+  merged = verify(step, emit(program, schedule, fence="none"), None, *args)
+  assert merged.outputs_match
+  assert not merged.recomputes_survive and not merged.ok()
+  assert merged.surviving_recomputes["dot"] == 0
+
+
+def test_verify_flags_wrong_outputs(mlp):
+  step, program, args = mlp
+  emitted = emit(program, jaxremat.baseline_schedule(program.graph))
+
+  def off_by_a_bit(*a):
+    value, grads = emitted(*a)
+    return value * (1 + 1e-3), grads
+
+  off_by_a_bit.schedule, off_by_a_bit.program = emitted.schedule, emitted.program
+  report = verify(step, off_by_a_bit, None, *args)
+  assert not report.outputs_match and not report.ok(peak_rtol=10.0)
+  assert report.max_abs_error > 0
+
+
+def test_unused_recomputation_is_dropped_not_planned(mlp):
+  step, program, args = mlp
+  graph = program.graph
+  order = list(graph.order)
+  # The first copy of the first node is freed unread, then computed again: only one counts.
+  schedule = jaxremat.schedule_from_computes(graph, order[:1] + order)
+  assert jaxremat.simulate(graph, schedule).n_recompute == 1
+  emitted = emit(program, schedule)
+  assert emitted.n_fences == 0
+  report = verify(step, emitted, schedule, *args)
+  assert report.planned_recomputes == {} and report.recomputes_survive
+  assert report.planned_flops_increase == 0.0
+  assert report.outputs_match
+
+
+def test_verify_needs_the_plan(mlp):
+  step, program, args = mlp
+  with pytest.raises(ValueError, match="needs the schedule and the traced program"):
+    verify(step, step, None, *args)
+  with pytest.raises(ValueError, match="needs the schedule and the traced program"):
+    verify(step, step, program, *args)
+
+
+def test_recomputing_an_effectful_node_is_refused():
+  def noisy(x):
+    y = jnp.sin(x)
+    jax.debug.print("y = {}", y)
+    return jnp.sum(y * 2.0)
+
+  program = trace_program(noisy, jnp.ones(4), costs="shape")
+  graph = program.graph
+  effectful = [v for v in graph.order if graph.nodes[v].attrs.get("effectful")]
+  assert len(effectful) == 1
+  schedule = jaxremat.schedule_from_computes(graph, [*graph.order, effectful[0]])
+  assert jaxremat.simulate(graph, schedule).valid
+  with pytest.raises(jaxremat.UnsupportedError, match="side effects"):
+    emit(program, schedule)
+
+
+def test_schedule_of_another_graph_is_rejected_clearly(mlp):
+  _, program, args = mlp
+  other = trace_program(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(3), costs="shape", name="other")
+  schedule = jaxremat.baseline_schedule(other.graph)
+  with pytest.raises(ValueError, match=r"not a valid program for the traced graph.*'other'"):
+    emit(program, schedule)
+  with pytest.raises(ValueError, match="fence='wall'"):
+    emit(program, jaxremat.baseline_schedule(program.graph), fence="wall")
+
+
+def test_called_with_another_structure_is_rejected(mlp):
+  _, program, args = mlp
+  emitted = emit(program, jaxremat.baseline_schedule(program.graph))
+  with pytest.raises(ValueError, match="structure"):
+    emitted(args[0][:2], args[1])
+
+
+@pytest.mark.parametrize(
+  "value",
+  [
+    0.0,
+    -0.0,
+    np.nan,
+    -np.inf,
+    1.5,
+    np.float16(0.0),
+    np.int32(0),
+    np.int8(-128),
+    False,
+    np.uint64(0),
+    np.complex64(0),
+  ],
+)
+def test_always_true_is_true_for_every_value(value):
+  x = jnp.full((3,), value)
+  assert bool(always_true(x))
+  assert bool(jax.jit(always_true)(x))
+
+
+def test_fences_return_their_values_unchanged():
+  trigger = jnp.full((2, 2), jnp.nan)
+  values = [jnp.arange(6.0).reshape(2, 3), jnp.array([True, False]), jnp.int32(7)]
+  for fence in ("cond", "select", "barrier", "none"):
+    out = jax.jit(lambda t, v, f=fence: apply_fence(f, t, v))(trigger, values)
+    assert_trees_allclose(out, values, rtol=0, atol=0)
+
+
+def test_default_fence_per_backend():
+  assert default_fence("cpu") == "select"
+  assert default_fence("gpu") == "barrier"
+  assert default_fence("tpu") == "barrier"

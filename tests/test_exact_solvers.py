@@ -1,0 +1,288 @@
+"""The exact solvers against brute-force optima on tiny random DAGs, and their contracts."""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+
+import pytest
+from conftest import shared_graph
+
+import jaxremat
+from jaxremat import (
+  InfeasibleBudgetError,
+  NoScheduleFoundError,
+  Progress,
+  RematGraph,
+  baseline_schedule,
+  schedule_from_computes,
+  simulate,
+)
+from jaxremat._src.solvers.moccasin import copy_counts
+
+SEEDS = range(10)
+
+
+def random_graph(seed: int) -> RematGraph:
+  """A DAG of 4 to 7 computed nodes (and sometimes a resident input), integer costs."""
+  rng = random.Random(seed)
+  n_inputs = rng.choice([0, 0, 1])
+  n = n_inputs + rng.randint(4, 7)
+  edges = set()
+  for v in range(n_inputs, n):
+    for u in range(v):
+      if rng.random() < 0.45:
+        edges.add((u, v))
+    if v > n_inputs and not any(e[1] == v and e[0] >= n_inputs for e in edges):
+      edges.add((rng.randrange(n_inputs, v), v))
+  mem = [rng.randint(1, 6) for _ in range(n)]
+  cost = [rng.randint(1, 5) for _ in range(n)]
+  return RematGraph.build(mem, cost, sorted(edges), inputs=range(n_inputs), name=f"rand{seed}")
+
+
+def random_budget(graph: RematGraph, seed: int) -> int:
+  """A budget between the proven lower bound and the baseline peak."""
+  peak = simulate(graph, baseline_schedule(graph)).peak_bytes
+  return random.Random(seed).randint(graph.min_feasible_bytes, peak)
+
+
+def brute_force(graph: RematGraph, budget_bytes: int, kind: str) -> float | None:
+  """The least duration of any schedule within budget (Dijkstra over program states).
+
+  ``kind``: "free" (any order), "staged" (first computes in ``graph.order``,
+  recomputations anywhere) or "checkmate" (stage k recomputes some of ``order[:k]`` in
+  input order, then computes ``order[k]``; nothing after the last stage, so an early
+  output can never be recomputed at the end). Frees may happen anywhere. None: infeasible.
+  """
+  order, preds, mem, cost = graph.order, graph.compute_preds, graph.mem, graph.cost
+  n = len(order)
+  pos = {v: k for k, v in enumerate(order)}
+  out_mask = sum(1 << pos[v] for v in graph.outputs if not graph.is_input[v])
+  free_bytes = budget_bytes - graph.resident_bytes
+  pred_mask = [sum(1 << pos[u] for u in preds[v]) for v in order]
+
+  def live_bytes(live: int) -> int:
+    return sum(mem[order[i]] for i in range(n) if live >> i & 1)
+
+  # state: (live, computed) for free/staged; (live, stage, last) for checkmate.
+  start = (0, 0) if kind != "checkmate" else (0, 0, -1)
+  dist = {start: 0}
+  heap = [(0, start)]
+  while heap:
+    d, state = heapq.heappop(heap)
+    if d > dist[state]:
+      continue
+    live = state[0]
+    if kind == "checkmate":
+      done = state[1] == n
+    else:
+      done = state[1] == (1 << n) - 1
+    if done and live & out_mask == out_mask:
+      return d
+    moves = []
+    for i in range(n):
+      if live >> i & 1:
+        moves.append(((live & ~(1 << i),) + state[1:], 0))
+    for i in range(n):
+      if live >> i & 1 or live & pred_mask[i] != pred_mask[i]:
+        continue
+      if live_bytes(live) + mem[order[i]] > free_bytes:
+        continue
+      new_live = live | 1 << i
+      if kind == "free":
+        moves.append(((new_live, state[1] | 1 << i), cost[order[i]]))
+      elif kind == "staged":
+        k = state[1].bit_count()
+        if i < k or i == k:
+          moves.append(((new_live, state[1] | 1 << i), cost[order[i]]))
+      else:
+        k, last = state[1], state[2]
+        if last < i < k < n:
+          moves.append(((new_live, k, i), cost[order[i]]))
+        elif i == k:
+          moves.append(((new_live, k + 1, -1), cost[order[i]]))
+    for nxt, c in moves:
+      if d + c < dist.get(nxt, float("inf")):
+        dist[nxt] = d + c
+        heapq.heappush(heap, (d + c, nxt))
+  return None
+
+
+def solve_or_none(graph, budget_bytes, solver, **options):
+  try:
+    schedule = jaxremat.solve(graph, budget_bytes, solver, time_limit=20, workers=2, **options)
+  except InfeasibleBudgetError:
+    return None
+  check = simulate(graph, schedule)
+  assert check.valid and check.peak_bytes <= budget_bytes
+  assert schedule.stats["status"] == "optimal"
+  return check.duration
+
+
+# -- optimality against brute force -----------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_free_moccasin_reaches_the_free_optimum(seed):
+  graph = random_graph(seed)
+  budget = random_budget(graph, seed)
+  expected = brute_force(graph, budget, "free")
+  got = solve_or_none(graph, budget, "moccasin", order="free", copies=len(graph.order))
+  assert got == expected
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_staged_moccasin_reaches_the_staged_optimum(seed):
+  graph = random_graph(seed)
+  budget = random_budget(graph, seed)
+  expected = brute_force(graph, budget, "staged")
+  got = solve_or_none(graph, budget, "moccasin", order="staged", copies=len(graph.order))
+  assert got == expected
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_checkmate_reaches_the_checkmate_optimum(seed):
+  graph = random_graph(seed)
+  budget = random_budget(graph, seed)
+  assert solve_or_none(graph, budget, "checkmate") == brute_force(graph, budget, "checkmate")
+
+
+def test_brute_force_orders_are_nested():
+  # Sanity of the reference itself: each restriction can only cost more.
+  for seed in SEEDS:
+    graph = random_graph(seed)
+    budget = random_budget(graph, seed)
+    durations = [brute_force(graph, budget, k) for k in ("free", "staged", "checkmate")]
+    finite = [d for d in durations if d is not None]
+    assert finite == sorted(finite)
+    assert durations[0] is not None or durations[1] is None
+
+
+# -- contracts -----------------------------------------------------------------------------
+
+
+def chain_with_skip() -> RematGraph:
+  # 0 -> 1 -> 2 -> 3 and 0 -> 3: node 0 is held across the chain (peak 2 + 3 + 3 = 8 at
+  # node 2) unless it is recomputed before node 3 (peak 6, the simple lower bound).
+  return RematGraph.build([2, 3, 3, 1], [1, 1, 1, 1], [(0, 1), (1, 2), (2, 3), (0, 3)])
+
+
+@pytest.mark.parametrize("solver", ["moccasin", "checkmate", "checkmate-lp"])
+def test_budget_below_the_lower_bound_raises(solver):
+  graph = chain_with_skip()
+  with pytest.raises(InfeasibleBudgetError) as info:
+    jaxremat.solve(graph, graph.min_feasible_bytes - 1, solver, time_limit=5, workers=2)
+  assert info.value.min_feasible_bytes == graph.min_feasible_bytes
+
+
+def test_moccasin_proves_its_model_infeasible():
+  # A diamond whose join needs both branches live: the budget passes the simple bound
+  # (3 + 3 + 1 = 7 at the join) but the root must also be live while a branch is computed.
+  graph = RematGraph.build([4, 3, 3, 1], [1, 1, 1, 1], [(0, 1), (0, 2), (1, 3), (2, 3)])
+  budget = graph.min_feasible_bytes
+  assert brute_force(graph, budget, "free") is None
+  with pytest.raises(InfeasibleBudgetError):
+    jaxremat.solve(graph, budget, "moccasin", order="free", copies=4, time_limit=10, workers=2)
+
+
+def test_recomputation_under_a_tight_budget():
+  graph = chain_with_skip()
+  assert graph.min_feasible_bytes == 6
+  for solver in ("moccasin", "checkmate"):
+    for budget, recomputes in ((6, 1), (7, 1), (8, 0)):
+      schedule = jaxremat.solve(graph, budget, solver, time_limit=10, workers=2)
+      assert schedule.stats["n_recompute"] == recomputes
+      assert schedule.stats["peak_bytes"] <= budget
+
+
+def test_hint_is_a_warm_start_and_raises_copies():
+  graph, budget = chain_with_skip(), 6
+  expected = brute_force(graph, budget, "free")
+  optimum = jaxremat.solve(graph, budget, "moccasin", order="free", copies=3)
+  assert optimum.stats["n_recompute"] == 1 and optimum.stats["duration"] == expected == 5
+  # copies=1 cannot recompute, but the hint's recomputation raises C_v where needed.
+  again = jaxremat.solve(
+    graph, budget, "moccasin", order="free", copies=1, hint=optimum, time_limit=10
+  )
+  assert again.stats["duration"] == expected
+  assert again.stats["history"][0][1] == expected  # the hint itself was the first best
+  with pytest.raises(InfeasibleBudgetError):
+    jaxremat.solve(graph, budget, "moccasin", copies=1, warm_start=False, time_limit=10)
+
+
+def test_invalid_hint_and_options_are_rejected():
+  graph = chain_with_skip()
+  bad = schedule_from_computes(graph, [1, 0, 2, 3])
+  with pytest.raises(ValueError, match="hint is not a valid schedule"):
+    jaxremat.solve(graph, 1.0, "moccasin", hint=bad)
+  with pytest.raises(ValueError, match="copies=0"):
+    jaxremat.solve(graph, 1.0, "moccasin", copies=0)
+  with pytest.raises(ValueError, match="order='any'"):
+    jaxremat.solve(graph, 1.0, "moccasin", order="any")
+  with pytest.raises(ValueError, match="backend='NOPE'"):
+    jaxremat.solve(graph, 1.0, "checkmate", backend="NOPE")
+
+
+def test_copy_counts_drop_useless_copies():
+  graph = chain_with_skip()
+  free = copy_counts(graph, 3, staged=False)
+  assert free == {3: 1, 2: 1, 1: 1, 0: 2}  # a sink output needs one copy; 0 feeds 1 and 3
+  # Staged: the first copy is forced into its stage and may go unused.
+  assert copy_counts(graph, {0: 3}, staged=True) == {3: 2, 2: 2, 1: 2, 0: 3}
+
+
+def test_progress_reports_improving_schedules():
+  graph = random_graph(5)
+  budget = random_budget(graph, 5)
+  reports = []
+  schedule = jaxremat.solve(graph, budget, "moccasin", progress=reports.append, time_limit=10)
+  assert reports and all(isinstance(r, Progress) for r in reports)
+  durations = [r.best_duration for r in reports]
+  assert durations == sorted(durations, reverse=True)
+  assert durations[-1] == schedule.stats["duration"]
+  assert schedule.stats["time_to_best_s"] <= schedule.stats["solve_time_s"]
+
+
+def test_checkmate_lp_is_honest():
+  for seed in SEEDS:
+    graph = random_graph(seed)
+    budget = random_budget(graph, seed)
+    exact = brute_force(graph, budget, "checkmate")
+    if exact is None:
+      continue
+    try:
+      schedule = jaxremat.solve(graph, budget, "checkmate-lp", time_limit=20)
+    except NoScheduleFoundError as e:
+      assert "over budget" in str(e)
+      continue
+    assert schedule.stats["peak_bytes"] <= budget
+    assert schedule.stats["lower_bound"] <= exact + 1e-6 <= schedule.stats["duration"] + 1e-6
+    assert all("epsilon" in t for t in schedule.stats["rounding"])
+
+
+def test_time_limit_is_honored():
+  graph = shared_graph("moccasin_rl250")
+  start = time.perf_counter()
+  try:
+    schedule = jaxremat.solve(graph, 0.8, "moccasin", time_limit=3, workers=2)
+    assert schedule.stats["peak_bytes"] <= schedule.budget
+  except NoScheduleFoundError:
+    pass
+  # Model building and the final check come on top of CP-SAT's own limit.
+  assert time.perf_counter() - start < 3 + 10
+
+
+def test_vgg16_reaches_the_reference_tdi():
+  graph = shared_graph("checkmate_vgg16_train")
+  schedule = jaxremat.solve(graph, 0.9, "moccasin", time_limit=5, workers=2)
+  assert schedule.stats["tdi_percent"] <= 1.968 + 5e-4
+
+
+@pytest.mark.slow
+def test_checkmate_matches_staged_moccasin_on_vgg16():
+  graph = shared_graph("checkmate_vgg16_train")
+  mip = jaxremat.solve(graph, 0.9, "checkmate", time_limit=120, workers=2)
+  cp = jaxremat.solve(graph, 0.9, "moccasin", time_limit=120, workers=2)
+  assert mip.stats["status"] == cp.stats["status"] == "optimal"
+  assert mip.stats["duration"] == cp.stats["duration"]

@@ -1,0 +1,106 @@
+"""`jaxremat.optimize` end to end on real training steps, and the plan cache."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+import jaxremat
+from jaxremat._src.demo import make_mlp_step
+from jaxremat._src.plan_cache import PlanCache, fingerprint
+
+
+def _small_step():
+  return make_mlp_step(depth=8, width=128, batch=1024)
+
+
+def _assert_trees_allclose(a, b, rtol=1e-5, atol=1e-6):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def test_plan_cache_round_trip_and_damaged_entries(tmp_path):
+  g = jaxremat.RematGraph.build(mem=[4, 2, 1], cost=[1, 1, 1], edges=[(0, 1), (1, 2)])
+  other = jaxremat.RematGraph.build(mem=[4, 2], cost=[1, 1], edges=[(0, 1)])
+  cache = PlanCache(tmp_path)
+  key = fingerprint(graph=g.to_dict(), budget="0.5")
+  assert cache.load(key, g) is None
+  cache.store(key, jaxremat.baseline_schedule(g))
+  assert cache.load(key, g) == jaxremat.baseline_schedule(g)
+  with pytest.warns(UserWarning, match="not a valid schedule of this graph"):
+    assert cache.load(key, other) is None
+  cache.path(key).write_text('{"format": "jaxremat.plan/1", "key": "')
+  with pytest.warns(UserWarning, match="damaged plan cache entry.*not valid JSON"):
+    assert cache.load(key, g) is None
+  cache.path(key).write_text(json.dumps({"format": "jaxremat.plan/1", "key": "another"}))
+  with pytest.warns(UserWarning, match="belongs to another plan"):
+    assert cache.load(key, g) is None
+
+
+def test_interrupted_cache_write_leaves_no_partial_file(tmp_path, monkeypatch):
+  g = jaxremat.RematGraph.build(mem=[4, 2], cost=[1, 1], edges=[(0, 1)])
+  cache = PlanCache(tmp_path)
+
+  def interrupted_dump(obj, f, **kwargs):
+    f.write('{"format": "jaxremat.plan/1", ')  # half an entry, then Ctrl-C
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr("jaxremat._src.graph.json.dump", interrupted_dump)
+  with pytest.raises(KeyboardInterrupt):
+    cache.store("k", jaxremat.baseline_schedule(g))
+  assert list(cache.directory.iterdir()) == []
+
+
+def test_optimize_meets_the_budget_as_xla_measures_it_and_matches_the_original(tmp_path):
+  step, args = _small_step()
+  fast = jaxremat.optimize(step, budget=0.7, solver="auto", time_limit=20, cache_dir=tmp_path)
+  got = fast(*args)
+  plan = fast.plan(*args)
+  assert plan.measured_peak_bytes <= plan.budget_bytes == int(np.ceil(0.7 * plan.baseline_peak_bytes))
+  assert plan.schedule.stats["n_recompute"] > 0 and not plan.from_cache
+  _assert_trees_allclose(got, jax.jit(step)(*args))
+
+  # A second function (as in a second process) takes the plan from the cache.
+  again = jaxremat.optimize(step, budget=0.7, solver="auto", time_limit=20, cache_dir=tmp_path)
+  cached = again.plan(*args)
+  assert cached.from_cache and cached.schedule.events == plan.schedule.events
+  assert cached.measured_peak_bytes == plan.measured_peak_bytes
+
+  text = str(fast.report(*args, runs=1))
+  assert "budget" in text and "met" in text and "peak, XLA" in text
+
+
+def test_optimized_step_trains_like_the_original(tmp_path):
+  step, (params, opt_state, x, y) = _small_step()
+  fast = jaxremat.optimize(step, budget=0.8, solver="auto", time_limit=20, cache_dir=tmp_path)
+  ref = jax.jit(step)
+  p1, s1, p2, s2 = params, opt_state, params, opt_state
+  for _ in range(5):
+    p1, s1, loss1 = ref(p1, s1, x, y)
+    p2, s2, loss2 = fast(p2, s2, x, y)
+    np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+  _assert_trees_allclose(p2, p1)
+
+
+def test_an_impossible_budget_names_the_smallest_one(tmp_path):
+  step, args = _small_step()
+  fast = jaxremat.optimize(step, budget=0.05, solver="auto", time_limit=10, cache_dir=tmp_path)
+  with pytest.raises(jaxremat.InfeasibleBudgetError) as info:
+    fast(*args)
+  assert info.value.min_feasible_bytes > info.value.budget_bytes
+  assert "Raise the budget to at least" in str(info.value)
+
+
+def test_arguments_of_a_new_shape_get_a_new_plan(tmp_path):
+  step, args = _small_step()
+  fast = jaxremat.optimize(step, budget=0.9, solver="auto", time_limit=10, cache_dir=tmp_path)
+  fast(*args)
+  params, opt_state, x, y = args
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    fast(params, opt_state, x[:512], y[:512])
+  assert len(fast.plans) == 2
