@@ -239,6 +239,7 @@ def main(argv: list[str]) -> None:
     "status",
     "tdi_percent",
     "time_to_best_s",
+    "time_to_target_s",
     "total_s",
     "time_limit_s",
     "ref_tdi_percent",

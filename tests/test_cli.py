@@ -78,3 +78,43 @@ def test_infeasible_budget_names_the_smallest_feasible_one():
   )
   assert code == 1
   assert f"smallest feasible peak of {g.min_feasible_bytes} bytes" in err
+
+
+def test_analyze_a_jaxpr_the_user_printed(tmp_path):
+  import jax
+  import jax.numpy as jnp
+
+  def loss(ws, x):
+    for w in ws:
+      x = jnp.tanh(x @ w)
+    return jnp.sum(x)
+
+  ws = [jnp.ones((32, 32))] * 8
+  dump = tmp_path / "step.txt"
+  dump.write_text(str(jax.make_jaxpr(jax.grad(loss))(ws, jnp.ones((1024, 32)))))
+  code, out, err = run(
+      "analyze", dump, "--budget", "80%", "--budget", "60%", "--solver", "xla-greedy",
+      "--solver", "chen-sqrtn", "--time-limit", "5", "--json", tmp_path / "t.json",
+      "--plot", tmp_path / "t.png",
+  )
+  assert code == 0, err
+  assert "xla-greedy" in out and "chen-sqrtn" in out
+  rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+  assert len(rows) == 4 and {r["solver"] for r in rows} == {"xla-greedy", "chen-sqrtn"}
+  assert any(r["peak_bytes"] and r["peak_bytes"] <= r["budget_bytes"] for r in rows)
+  assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "content,words",
+    [
+        ("{ lambda ; a:f32[3]. let b:f32[3] = sin c in (b,) }", "variable 'c' is used before"),
+        ("not a jaxpr at all", "is not valid JSON"),
+    ],
+)
+def test_analyze_bad_input_is_one_clear_line(tmp_path, content, words):
+  bad = tmp_path / "dump.txt"
+  bad.write_text(content)
+  code, out, err = run("analyze", bad)
+  assert code == 1 and words in err and str(bad) in err
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -26,7 +26,6 @@ from jaxremat._src.errors import InfeasibleBudgetError, NoScheduleFoundError, Ve
 from jaxremat._src.measure import Measurement, measure
 from jaxremat._src.plan_cache import PlanCache, fingerprint
 from jaxremat._src.schedule import Schedule
-from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import Progress
 from jaxremat._src.trace import Program, trace_program
@@ -35,12 +34,15 @@ from jaxremat._src.verify import verify as verify_plan
 logger = logging.getLogger("jaxremat")
 # How much tighter (a fraction of the budget) each replan aims beyond XLA's measured excess.
 _REPLAN_MARGIN = 0.02
+# Planners whose plans recompute whole segments, which XLA's scheduler keeps as planned.
+_SEGMENT_SOLVERS = ("chen-sqrtn-ap", "chen-greedy-ap", "griewank-ap", "twremat")
 
 
 @dataclasses.dataclass(frozen=True)
 class Attempt:
   """One round of the closed loop: what was planned and what XLA measured."""
 
+  solver: str
   planning_budget_bytes: int
   predicted_peak_bytes: int
   measured_peak_bytes: int
@@ -59,6 +61,7 @@ class Plan:
     attempts: each round of the closed loop.
     from_cache: whether the schedule came from the plan cache.
     plan_time_s: seconds from the first call to a compiled step.
+    compile_time_s: of those, the seconds XLA spent compiling the optimized step(s).
   """
 
   program: Program
@@ -69,6 +72,7 @@ class Plan:
   attempts: tuple[Attempt, ...]
   from_cache: bool
   plan_time_s: float
+  compile_time_s: float
   compiled: Callable[..., Any] = dataclasses.field(repr=False, compare=False)
 
 
@@ -217,46 +221,37 @@ def _make_plan(fn, args, kwargs, *, budget, solver, time_limit, verify, cache_di
     measured = compiled.peak_bytes
     if measured <= info.get("budget_bytes", -1):
       return Plan(program, cached, info["budget_bytes"], info["baseline_peak_bytes"], measured,
-                  (), True, time.perf_counter() - start, compiled.run)
+                  (), True, time.perf_counter() - start, compiled.compile_time_s, compiled.run)
     logger.warning("jaxremat: the cached plan measures %d bytes, over budget; planning again.", measured)
 
   baseline = measure(fn, *args, runs=0, **kwargs).peak_bytes
   budget_bytes = parse_budget(budget, baseline)
-  # The model and XLA count the same bytes but XLA adds a little (buffers it holds longer,
-  # workspace): plan at the budget, then take off what XLA measured beyond it.
-  planning = budget_bytes
-  attempts: list[Attempt] = []
-  best = None
-  while len(attempts) <= max_replans and planning >= graph.min_feasible_bytes:
-    try:
-      schedule = solve(graph, planning, solver=solver, time_limit=time_limit,
-                       progress=_progress_logger(progress), **solver_options)
-    except InfeasibleBudgetError as e:
-      if best is not None:
-        break
-      raise InfeasibleBudgetError(budget_bytes, e.min_feasible_bytes, e.reason) from None
-    except NoScheduleFoundError:
-      if best is not None:  # a tighter replan found nothing: report the best plan below
-        break
-      raise
-    compiled = _compile(program, schedule, fence, args, kwargs, donate_argnums)
-    attempts.append(Attempt(planning, schedule.stats["peak_bytes"], compiled.peak_bytes))
-    if best is None or compiled.peak_bytes < best[1].peak_bytes:
-      best = (schedule, compiled)
-    if compiled.peak_bytes <= budget_bytes:
-      break
-    logger.info("jaxremat: XLA measured %d bytes, over the budget of %d; planning tighter.",
-                compiled.peak_bytes, budget_bytes)
-    planning -= compiled.peak_bytes - budget_bytes + int(_REPLAN_MARGIN * budget_bytes)
-  if best is None:
-    raise InfeasibleBudgetError(budget_bytes, graph.min_feasible_bytes,
-                                "the inputs and outputs of one operation alone")
-  schedule, compiled = best
-  if compiled.peak_bytes > budget_bytes:
-    raise InfeasibleBudgetError(
-        budget_bytes, compiled.peak_bytes,
-        f"the least XLA measured over {len(attempts)} plans",
+  loop = functools.partial(
+      _closed_loop, program, args, kwargs, budget_bytes, fence=fence, donate_argnums=donate_argnums,
+      time_limit=time_limit, progress=progress, solver_options=solver_options,
+  )
+  tried = loop(solver, max_replans)
+  if solver == "auto" and not any(t.met for t in tried):
+    # XLA may reorder what a plan leaves unfenced; plans built from whole segments keep
+    # their shape. Try those, and keep the cheapest plan XLA confirms.
+    logger.info("jaxremat: no 'auto' plan fits as XLA measures it; trying segment planners.")
+    for name in _SEGMENT_SOLVERS:
+      tried += loop(name, min(max_replans, 1))
+  if not tried:
+    raise NoScheduleFoundError(
+        f"solver={solver!r} found no schedule within budget={budget_bytes} bytes in "
+        f"time_limit={time_limit} s; raise the time limit or the budget."
     )
+  met = [t for t in tried if t.met]
+  if not met:
+    least = min(t.compiled.peak_bytes for t in tried)
+    raise InfeasibleBudgetError(
+        budget_bytes, least, f"the least XLA measured over {len(tried)} plans"
+    )
+  chosen = min(met, key=lambda t: t.schedule.stats["duration"])
+  schedule, compiled = chosen.schedule, chosen.compiled
+  attempts = tuple(t.attempt for t in tried)
+  compile_time_s = sum(t.compiled.compile_time_s for t in tried)
   if verify:
     _check(verify_plan(fn, compiled.emitted, schedule, *args, **kwargs))
   schedule = schedule.replace(stats={**schedule.stats, "optimize": {
@@ -264,8 +259,53 @@ def _make_plan(fn, args, kwargs, *, budget, solver, time_limit, verify, cache_di
       "attempts": [dataclasses.asdict(a) for a in attempts]}})
   if cache:
     cache.store(key, schedule, info={"graph": graph.name, "versions": versions})
-  return Plan(program, schedule, budget_bytes, baseline, compiled.peak_bytes, tuple(attempts),
-              False, time.perf_counter() - start, compiled.run)
+  return Plan(program, schedule, budget_bytes, baseline, compiled.peak_bytes, attempts,
+              False, time.perf_counter() - start, compile_time_s, compiled.run)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tried:
+  attempt: Attempt
+  schedule: Schedule
+  compiled: _Compiled
+  met: bool
+
+
+def _closed_loop(program, args, kwargs, budget_bytes, solver, max_replans, *, fence,
+                 donate_argnums, time_limit, progress, solver_options) -> list[_Tried]:
+  """Solves with ``solver`` and compiles; while XLA measures over budget, plans tighter.
+
+  The model and XLA count the same bytes but XLA adds some (buffers it holds longer,
+  workspace, its own order): each round takes what XLA measured beyond the budget off
+  the planning budget. Stops at the first plan XLA confirms.
+
+  Raises:
+    InfeasibleBudgetError: the first solve proved the budget infeasible.
+  """
+  graph = program.graph
+  planning = budget_bytes
+  tried: list[_Tried] = []
+  while len(tried) <= max_replans and planning >= graph.min_feasible_bytes:
+    try:
+      schedule = solve(graph, planning, solver=solver, time_limit=time_limit,
+                       progress=_progress_logger(progress), **solver_options)
+    except InfeasibleBudgetError as e:
+      if tried:
+        break
+      raise InfeasibleBudgetError(budget_bytes, e.min_feasible_bytes, e.reason) from None
+    except NoScheduleFoundError as e:
+      logger.info("jaxremat: %s", e)
+      break
+    compiled = _compile(program, schedule, fence, args, kwargs, donate_argnums)
+    met = compiled.peak_bytes <= budget_bytes
+    attempt = Attempt(solver, planning, schedule.stats["peak_bytes"], compiled.peak_bytes)
+    tried.append(_Tried(attempt, schedule, compiled, met))
+    if met:
+      break
+    logger.info("jaxremat: %s plan measures %d bytes in XLA, over the budget of %d; planning "
+                "tighter.", solver, compiled.peak_bytes, budget_bytes)
+    planning -= compiled.peak_bytes - budget_bytes + int(_REPLAN_MARGIN * budget_bytes)
+  return tried
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,13 +313,15 @@ class _Compiled:
   emitted: Callable[..., Any]  # the emitted function, not jitted
   run: Callable[..., Any]  # jitted, with the donation asked for
   peak_bytes: int
+  compile_time_s: float
 
 
 def _compile(program, schedule, fence, args, kwargs, donate_argnums) -> _Compiled:
   emitted = emit(program, schedule, fence=fence)
   jitted = jax.jit(emitted, donate_argnums=donate_argnums)
+  start = time.perf_counter()
   compiled = jitted.lower(*args, **kwargs).compile()
-  return _Compiled(emitted, jitted, compat.memory_peak_bytes(compiled))
+  return _Compiled(emitted, jitted, compat.memory_peak_bytes(compiled), time.perf_counter() - start)
 
 
 def _check(v) -> None:

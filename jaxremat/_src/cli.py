@@ -132,7 +132,7 @@ def _parser() -> _Parser:
   p = sub.add_parser("demo", help="optimize a bundled training step and print the report")
   p.add_argument("--budget", type=float, default=0.5, help="fraction of the no-remat peak (0.5)")
   p.add_argument("--solver", default="auto", help="one of: " + ", ".join(available_solvers()))
-  p.add_argument("--time-limit", type=float, default=30.0, help="seconds for the solver (30)")
+  p.add_argument("--time-limit", type=float, default=15.0, help="seconds for the solver (15)")
   p.set_defaults(run=_cmd_demo)
   return parser
 

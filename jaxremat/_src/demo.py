@@ -49,7 +49,7 @@ def make_mlp_step(depth: int = 16, width: int = 256, batch: int = 4096, checkpoi
   return step, (params, optimizer.init(params), x, y)
 
 
-def run_demo(budget: float = 0.5, solver: str = "auto", time_limit: float = 30.0) -> None:
+def run_demo(budget: float = 0.5, solver: str = "auto", time_limit: float = 15.0) -> None:
   """Prints the jax.checkpoint comparison and jaxremat's `Report` for the MLP step."""
   mib = 2.0**20
   step, args = make_mlp_step()

@@ -44,34 +44,34 @@ class Solver(Protocol):
   """
 
   def __call__(
-      self,
-      graph: RematGraph,
-      budget_bytes: int,
-      *,
-      time_limit_s: float,
-      workers: int,
-      progress: ProgressCallback | None,
-      **options: Any,
+    self,
+    graph: RematGraph,
+    budget_bytes: int,
+    *,
+    time_limit_s: float,
+    workers: int,
+    progress: ProgressCallback | None,
+    **options: Any,
   ) -> Schedule: ...
 
 
 # name -> "module:function", imported on first use so that a solver's heavy
 # dependencies load only when it runs.
 _REGISTRY: dict[str, str] = {
-    "noremat": "jaxremat._src.solvers.noremat:solve_noremat",
-    "auto": "jaxremat._src.solvers.auto:solve_auto",
-    "chen-greedy": "jaxremat._src.solvers.chen:solve_chen_greedy",
-    "chen-greedy-ap": "jaxremat._src.solvers.chen:solve_chen_greedy_ap",
-    "chen-sqrtn": "jaxremat._src.solvers.chen:solve_chen_sqrtn",
-    "chen-sqrtn-ap": "jaxremat._src.solvers.chen:solve_chen_sqrtn_ap",
-    "griewank": "jaxremat._src.solvers.griewank:solve_griewank",
-    "griewank-ap": "jaxremat._src.solvers.griewank:solve_griewank_ap",
-    "reorder": "jaxremat._src.solvers.reorder:solve_reorder",
-    "twremat": "jaxremat._src.solvers.twremat:solve_twremat",
-    "xla-greedy": "jaxremat._src.solvers.greedy:solve_xla_greedy",
-    "moccasin": "jaxremat._src.solvers.moccasin:solve_moccasin",
-    "checkmate": "jaxremat._src.solvers.checkmate:solve_checkmate",
-    "checkmate-lp": "jaxremat._src.solvers.checkmate:solve_checkmate_lp",
+  "noremat": "jaxremat._src.solvers.noremat:solve_noremat",
+  "auto": "jaxremat._src.solvers.auto:solve_auto",
+  "chen-greedy": "jaxremat._src.solvers.chen:solve_chen_greedy",
+  "chen-greedy-ap": "jaxremat._src.solvers.chen:solve_chen_greedy_ap",
+  "chen-sqrtn": "jaxremat._src.solvers.chen:solve_chen_sqrtn",
+  "chen-sqrtn-ap": "jaxremat._src.solvers.chen:solve_chen_sqrtn_ap",
+  "griewank": "jaxremat._src.solvers.griewank:solve_griewank",
+  "griewank-ap": "jaxremat._src.solvers.griewank:solve_griewank_ap",
+  "reorder": "jaxremat._src.solvers.reorder:solve_reorder",
+  "twremat": "jaxremat._src.solvers.twremat:solve_twremat",
+  "xla-greedy": "jaxremat._src.solvers.greedy:solve_xla_greedy",
+  "moccasin": "jaxremat._src.solvers.moccasin:solve_moccasin",
+  "checkmate": "jaxremat._src.solvers.checkmate:solve_checkmate",
+  "checkmate-lp": "jaxremat._src.solvers.checkmate:solve_checkmate_lp",
 }
 
 
@@ -88,7 +88,7 @@ def available_solvers() -> list[str]:
 def get_solver(name: str) -> Solver:
   if name not in _REGISTRY:
     raise ValueError(
-        f"solver={name!r} is not a known solver; choose one of {', '.join(available_solvers())}."
+      f"solver={name!r} is not a known solver; choose one of {', '.join(available_solvers())}."
     )
   module, _, attr = _REGISTRY[name].partition(":")
   return getattr(importlib.import_module(module), attr)

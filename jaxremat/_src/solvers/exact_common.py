@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -94,19 +95,28 @@ def checked_schedule(
 # Eviction scores of `greedy_computes`, each a function of (bytes, recompute cost, steps
 # to the next use); the largest score is evicted first.
 _EVICTION_SCORES = {
-  "farthest": lambda mem, cost, gap: (gap, mem),
   "bytes-per-cost": lambda mem, cost, gap: (mem * gap / (cost + 1.0), gap),
   "bytes": lambda mem, cost, gap: (mem, gap),
+  "farthest": lambda mem, cost, gap: (gap, mem),
 }
 
 
-def greedy_computes(graph: RematGraph, budget_bytes: int, score: str) -> list[int] | None:
+def greedy_computes(
+  graph: RematGraph,
+  budget_bytes: int,
+  score: str,
+  protect_inputs: bool = True,
+  deadline: float = math.inf,
+) -> list[int] | None:
   """A compute sequence within budget by evict-and-recompute on the input order, or None.
 
   Runs ``graph.order``; before each compute that would exceed the budget it drops a live
   value that the compute does not need (the one ``score`` ranks first), and a dropped
-  value is recomputed, recursively, when it is needed again. First computes stay in the
-  input order, so the result also fits the staged model. Used as a warm start.
+  value is recomputed, recursively, when it is needed again. The recompute cost a score
+  sees is that of the value and of every ancestor that will be gone by then. With
+  ``protect_inputs`` the inputs of a dropped value are kept until it is recomputed. First
+  computes stay in the input order, so the result also fits the staged model. Used as a
+  warm start; gives up (None) at ``deadline`` (a `time.perf_counter` value).
   """
   order, preds, mem, cost = graph.order, graph.compute_preds, graph.mem, graph.cost
   position = {v: k for k, v in enumerate(order)}
@@ -133,17 +143,25 @@ def greedy_computes(graph: RematGraph, budget_bytes: int, score: str) -> list[in
     k = next_use(u)
     return 2 * end if k is None else k - stage
 
-  def cheap_to_recompute(u: int) -> bool:
-    # Its inputs stay live until it is needed again: no cascade of recomputations.
+  def recompute_cost(u: int) -> float:
+    # u and every ancestor that will not be live any more when u is next needed.
     k = next_use(u)
-    return k is None or all(
-      p in live and next_use(p) is not None and next_use(p) >= k for p in preds[u]
-    )
+    if k is None:
+      return 0.0
+    total, seen, stack = cost[u], set(), list(preds[u])
+    while stack:
+      p = stack.pop()
+      if p in seen or (p in live and uses[p] and uses[p][-1] >= k):
+        continue
+      seen.add(p)
+      total += cost[p]
+      stack.extend(preds[p])
+    return total
 
   def materialize(x: int, pinned: frozenset[int], depth: int) -> bool:
     nonlocal free_bytes, calls
     calls += 1
-    if depth > end or calls > 5 * end:
+    if depth > end or calls > 5 * end or time.perf_counter() > deadline:
       return False
     pinned = pinned | set(preds[x])
     for u in preds[x]:
@@ -153,12 +171,12 @@ def greedy_computes(graph: RematGraph, budget_bytes: int, score: str) -> list[in
       candidates = [u for u in live if u not in pinned]
       if not candidates:
         return False
-      victim = max(candidates, key=lambda u: (cheap_to_recompute(u), rank(mem[u], cost[u], gap(u))))
+      victim = max(candidates, key=lambda u: rank(mem[u], recompute_cost(u), gap(u)))
       live.discard(victim)
       free_bytes += mem[victim]
       # Its inputs must still be there when it is recomputed: no cascade back to the sources.
       k = next_use(victim)
-      if k is not None:
+      if protect_inputs and k is not None:
         for p in preds[victim]:
           bisect.insort(uses[p], k)
     computes.append(x)
@@ -184,11 +202,17 @@ def greedy_computes(graph: RematGraph, budget_bytes: int, score: str) -> list[in
   return computes
 
 
-def best_greedy_computes(graph: RematGraph, budget_bytes: int) -> list[int] | None:
-  """The shortest `greedy_computes` sequence within budget over every eviction score."""
+def best_greedy_computes(
+  graph: RematGraph, budget_bytes: int, time_limit_s: float = math.inf
+) -> list[int] | None:
+  """The shortest `greedy_computes` sequence within budget over its variants.
+
+  Variants run in the order that did best on the benchmark graphs, until ``time_limit_s``.
+  """
+  deadline = time.perf_counter() + time_limit_s
   found = []
-  for score in _EVICTION_SCORES:
-    computes = greedy_computes(graph, budget_bytes, score)
+  for score, protect_inputs in itertools.product(_EVICTION_SCORES, (True, False)):
+    computes = greedy_computes(graph, budget_bytes, score, protect_inputs, deadline)
     if computes is None:
       continue
     result = simulate(graph, schedule_from_computes(graph, computes))

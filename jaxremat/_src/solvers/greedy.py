@@ -24,6 +24,8 @@ from jaxremat._src.solvers.replay import Replay, SequenceTooLongError, evaluate,
 # Internal limits tried below the budget: eviction tracks an upper bound on memory, and
 # a tighter limit sometimes yields a shorter schedule within the real budget.
 _LIMIT_FRACTIONS = (1.0, 0.98, 0.95, 0.9)
+# Seconds spent deleting needless recomputations from the winner (`prune_recomputes`).
+_PRUNE_S = 10.0
 
 
 def greedy_computes(
@@ -83,7 +85,8 @@ def solve_xla_greedy(
   Args:
     graph: the graph.
     budget_bytes: the memory budget.
-    time_limit_s: stop evicting after this long (candidates finished so far count).
+    time_limit_s: stop evicting after this long (candidates finished so far count);
+      pruning recomputations of the winner then takes at most 10 s more of it.
     order: ``None`` tries the input order and `reorder`'s; ``"input"``, ``"reorder"`` or a
       node sequence fixes one.
 
@@ -96,4 +99,7 @@ def solve_xla_greedy(
     orders = [resolve_order(graph, order)]
   deadline = time.perf_counter() + time_limit_s
   candidates = greedy_candidates(graph, budget_bytes, orders, "xla-greedy", deadline)
-  return pick_best(candidates, budget_bytes, "xla-greedy", "greedy eviction")
+  prune_deadline = min(deadline, time.perf_counter() + _PRUNE_S)
+  return pick_best(
+    candidates, budget_bytes, "xla-greedy", "greedy eviction", graph=graph, deadline=prune_deadline
+  )

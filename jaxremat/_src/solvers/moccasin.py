@@ -42,6 +42,8 @@ DEFAULT_PARAMETERS = {"cp_model_probing_level": 0}
 # Phase 2 starts straight from the greedy warm start when its duration increase is at most
 # this fraction; a worse one only backs up phase 1.
 GREEDY_START_TDI = 0.10
+# The greedy warm start may use this fraction of the time limit.
+GREEDY_TIME_FRACTION = 0.2
 
 
 # -- copy counts and time windows --------------------------------------------------------
@@ -386,7 +388,9 @@ def solve_moccasin(
     start, start_fits = list(graph.order), False
   # A greedy evict-and-recompute sequence within budget: phase 2 starts from it when it is
   # short, else it is the fallback if phase 1 runs out of time.
-  greedy = best_greedy_computes(graph, budget_bytes) if warm_start and not start_fits else None
+  greedy = None
+  if warm_start and not start_fits:
+    greedy = best_greedy_computes(graph, budget_bytes, GREEDY_TIME_FRACTION * time_limit_s)
   for computes in (start, greedy or ()):
     for v, k in collections.Counter(computes).items():
       counts[v] = max(counts[v], k)

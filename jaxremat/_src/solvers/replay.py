@@ -17,6 +17,8 @@ from jaxremat._src.graph import RematGraph
 from jaxremat._src.schedule import Schedule, schedule_from_computes
 from jaxremat._src.simulate import SimulationResult, simulate
 
+# Trials times sequence length that `prune_recomputes` may simulate (about 10 s).
+_PRUNE_WORK = 2_000_000
 # Ancestors a recompute-cost estimate visits before it stops (keeps eviction O(live)).
 _CLOSURE_LIMIT = 64
 
@@ -254,8 +256,13 @@ def pick_best(
   budget_bytes: int,
   solver: str,
   what: str,
+  graph: RematGraph | None = None,
+  deadline: float | None = None,
 ) -> Schedule:
   """The shortest valid candidate within budget, with ``status="feasible"`` stats.
+
+  With ``graph`` and ``deadline``, the winner's recomputations are then pruned
+  (`prune_recomputes`) until the deadline.
 
   Raises:
     NoScheduleFoundError: no candidate fits; the message names the least peak reached.
@@ -274,4 +281,38 @@ def pick_best(
     )
   _, _, k = min(fitting)
   schedule, _ = candidates[k]
+  if deadline is not None and graph is not None:
+    computes = prune_recomputes(graph, schedule.computes, budget_bytes, deadline)
+    schedule = schedule_from_computes(graph, computes)
   return schedule.replace(budget=budget_bytes, solver=solver, stats={"status": "feasible"})
+
+
+def prune_recomputes(
+  graph: RematGraph, computes: Sequence[int], budget_bytes: int, deadline: float
+) -> list[int]:
+  """Deletes recomputations, most expensive first, while the peak stays within budget.
+
+  Deleting a recompute of v keeps v's previous copy alive until the readers of the
+  deleted one (`schedule_from_computes` frees at last use), so every result is valid;
+  only its peak can grow. Tries the most expensive recomputations first, as many as
+  a fixed amount of work allows, and stops early at ``deadline`` (a
+  `time.perf_counter()` value).
+  """
+  computes = list(computes)
+  seen: set[int] = set()
+  recomputes = []
+  for k, v in enumerate(computes):
+    if v in seen:
+      recomputes.append(k)
+    seen.add(v)
+  removed: set[int] = set()
+  # A fixed amount of work (trials x sequence length) keeps the result deterministic;
+  # the deadline only guards the caller's time limit.
+  trials = max(200, _PRUNE_WORK // max(len(computes), 1))
+  for k in sorted(recomputes, key=lambda k: (-graph.cost[computes[k]], k))[:trials]:
+    if time.perf_counter() > deadline:
+      break
+    trial = [v for j, v in enumerate(computes) if j != k and j not in removed]
+    if simulate(graph, schedule_from_computes(graph, trial)).peak_bytes <= budget_bytes:
+      removed.add(k)
+  return [v for j, v in enumerate(computes) if j not in removed]
