@@ -28,15 +28,20 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 def second_process(cache_dir: str, budget: float, time_limit: float) -> dict:
-  """Runs in a fresh interpreter: plan from the cache, report the times."""
+  """Runs in a fresh interpreter: plan from the cache, report the times.
+
+  ``setup_s`` is the model's own (parameter init); ``plan_s`` runs from tracing to a
+  compiled step, of which ``compile_s`` is XLA's; ``overhead_s`` is jaxremat's share.
+  """
   start = time.perf_counter()
   fn, args = gpt.make_train_step()
+  setup_s = time.perf_counter() - start
   step = jaxremat.optimize(fn, budget=budget, solver="auto", time_limit=time_limit,
                            cache_dir=cache_dir, verify=False)
   plan = step.plan(*args)
-  ready_s = time.perf_counter() - start
-  return {"from_cache": plan.from_cache, "ready_s": ready_s, "compile_s": plan.compile_time_s,
-          "plan_s": plan.plan_time_s, "measured_peak_bytes": plan.measured_peak_bytes}
+  return {"from_cache": plan.from_cache, "setup_s": setup_s, "plan_s": plan.plan_time_s,
+          "compile_s": plan.compile_time_s, "overhead_s": plan.plan_time_s - plan.compile_time_s,
+          "measured_peak_bytes": plan.measured_peak_bytes}
 
 
 def main() -> None:
@@ -97,8 +102,8 @@ def main() -> None:
   (RESULTS / "optimize_gpt.json").write_text(json.dumps(result, indent=1))
   print(f"budget {plan.budget_bytes} B met: {result['budget_met']} (XLA {plan.measured_peak_bytes} B)")
   print(f"{args.steps} steps, losses match: {same} (max rel diff {max_rel:.2e})")
-  print(f"second process: from cache {second['from_cache']}, ready in {second['ready_s']:.2f} s "
-        f"of which compile {second['compile_s']:.2f} s")
+  print(f"second process: from cache {second['from_cache']}, ready {second['overhead_s']:.2f} s "
+        f"+ XLA compile {second['compile_s']:.2f} s (model setup {second['setup_s']:.2f} s)")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def test_interrupted_cache_write_leaves_no_partial_file(tmp_path, monkeypatch):
 
 def test_optimize_meets_the_budget_as_xla_measures_it_and_matches_the_original(tmp_path):
   step, args = _small_step()
-  fast = jaxremat.optimize(step, budget=0.7, solver="auto", time_limit=20, cache_dir=tmp_path)
+  fast = jaxremat.optimize(step, budget=0.7, solver="auto", time_limit=5, cache_dir=tmp_path)
   got = fast(*args)
   plan = fast.plan(*args)
   assert plan.measured_peak_bytes <= plan.budget_bytes == int(np.ceil(0.7 * plan.baseline_peak_bytes))
@@ -65,7 +65,7 @@ def test_optimize_meets_the_budget_as_xla_measures_it_and_matches_the_original(t
   _assert_trees_allclose(got, jax.jit(step)(*args))
 
   # A second function (as in a second process) takes the plan from the cache.
-  again = jaxremat.optimize(step, budget=0.7, solver="auto", time_limit=20, cache_dir=tmp_path)
+  again = jaxremat.optimize(step, budget=0.7, solver="auto", time_limit=5, cache_dir=tmp_path)
   cached = again.plan(*args)
   assert cached.from_cache and cached.schedule.events == plan.schedule.events
   assert cached.measured_peak_bytes == plan.measured_peak_bytes
@@ -76,7 +76,7 @@ def test_optimize_meets_the_budget_as_xla_measures_it_and_matches_the_original(t
 
 def test_optimized_step_trains_like_the_original(tmp_path):
   step, (params, opt_state, x, y) = _small_step()
-  fast = jaxremat.optimize(step, budget=0.8, solver="auto", time_limit=20, cache_dir=tmp_path)
+  fast = jaxremat.optimize(step, budget=0.8, solver="auto", time_limit=5, cache_dir=tmp_path)
   ref = jax.jit(step)
   p1, s1, p2, s2 = params, opt_state, params, opt_state
   for _ in range(5):
@@ -88,7 +88,7 @@ def test_optimized_step_trains_like_the_original(tmp_path):
 
 def test_an_impossible_budget_names_the_smallest_one(tmp_path):
   step, args = _small_step()
-  fast = jaxremat.optimize(step, budget=0.05, solver="auto", time_limit=10, cache_dir=tmp_path)
+  fast = jaxremat.optimize(step, budget=0.05, solver="auto", time_limit=5, cache_dir=tmp_path)
   with pytest.raises(jaxremat.InfeasibleBudgetError) as info:
     fast(*args)
   assert info.value.min_feasible_bytes > info.value.budget_bytes
@@ -97,7 +97,7 @@ def test_an_impossible_budget_names_the_smallest_one(tmp_path):
 
 def test_arguments_of_a_new_shape_get_a_new_plan(tmp_path):
   step, args = _small_step()
-  fast = jaxremat.optimize(step, budget=0.9, solver="auto", time_limit=10, cache_dir=tmp_path)
+  fast = jaxremat.optimize(step, budget=0.9, solver="auto", time_limit=5, cache_dir=tmp_path)
   fast(*args)
   params, opt_state, x, y = args
   with warnings.catch_warnings():

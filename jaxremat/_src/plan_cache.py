@@ -46,7 +46,7 @@ class PlanCache:
     >>> key = fingerprint(graph=g.to_dict(), budget=6)
     >>> cache.store(key, jaxremat.baseline_schedule(g))
     >>> cache.load(key, g).events
-    (('compute', 0), ('free', 0), ('compute', 1))
+    (('compute', 0), ('compute', 1), ('free', 0))
   """
 
   def __init__(self, directory: str | os.PathLike | None = None):

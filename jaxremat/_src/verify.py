@@ -41,6 +41,10 @@ class Verification:
   Attributes:
     outputs_match: every output leaf is allclose to the original's.
     max_abs_error: the largest absolute difference over all output leaves.
+    max_rel_norm_error: the largest ``||got - expected|| / ||expected||`` over the leaves.
+      Recomputation may fuse reductions differently; an optimizer such as Adam divides
+      a near-zero gradient by its own magnitude and can blow that last-bit noise up to a
+      whole step in a few elements, which elementwise comparison flags but this does not.
     planned_recomputes: recomputed expensive equations in the plan, by HLO opcode.
     surviving_recomputes: extra instructions of those opcodes in the emitted function's
       optimized HLO over the original's (fusions and control-flow branches included).
@@ -58,6 +62,7 @@ class Verification:
 
   outputs_match: bool
   max_abs_error: float
+  max_rel_norm_error: float
   planned_recomputes: Mapping[str, int]
   surviving_recomputes: Mapping[str, int]
   predicted_peak_bytes: int
@@ -145,7 +150,7 @@ def verify(
     )
   expected = jax.jit(fn)(*args, **kwargs)
   got = jax.jit(emitted)(*args, **kwargs)
-  outputs_match, max_abs_error = _compare(expected, got, rtol=rtol, atol=atol)
+  outputs_match, max_abs_error, max_rel_norm_error = _compare(expected, got, rtol=rtol, atol=atol)
   if original is None:
     original = measure(fn, *args, runs=runs, **kwargs)
   emitted_m = measure(emitted, *args, runs=runs, **kwargs)
@@ -156,6 +161,7 @@ def verify(
   return Verification(
     outputs_match=outputs_match,
     max_abs_error=max_abs_error,
+    max_rel_norm_error=max_rel_norm_error,
     planned_recomputes=planned,
     surviving_recomputes={op: n for op, n in surviving.items() if n or op in planned},
     predicted_peak_bytes=simulate(graph, schedule).peak_bytes,
@@ -171,19 +177,27 @@ def verify(
   )
 
 
-def _compare(expected: Any, got: Any, *, rtol: float, atol: float) -> tuple[bool, float]:
+def _compare(expected: Any, got: Any, *, rtol: float, atol: float) -> tuple[bool, float, float]:
+  """(all leaves allclose, max absolute error, max norm-wise relative error)."""
   if jax.tree.structure(expected) != jax.tree.structure(got):
-    return False, float("inf")
-  match, worst = True, 0.0
+    return False, float("inf"), float("inf")
+  match, worst, worst_rel = True, 0.0, 0.0
   for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape or a.dtype != b.dtype:
-      return False, float("inf")
+      return False, float("inf"), float("inf")
     match &= bool(np.allclose(b, a, rtol=rtol, atol=atol, equal_nan=True))
-    if a.size:
-      diff = np.abs(b.astype(np.float64) - a.astype(np.float64))
-      worst = max(worst, float(np.nanmax(diff)) if not np.all(np.isnan(diff)) else 0.0)
-  return match, worst
+    if a.size and np.issubdtype(a.dtype, np.number):
+      a64, b64 = a.astype(np.float64), b.astype(np.float64)
+      diff = np.abs(b64 - a64)
+      if not np.all(np.isnan(diff)):
+        worst = max(worst, float(np.nanmax(diff)))
+        norm = float(np.linalg.norm(np.nan_to_num(a64)))
+        err = float(np.linalg.norm(np.nan_to_num(diff)))
+        worst_rel = max(worst_rel, err / norm if norm else (0.0 if err == 0 else float("inf")))
+    elif a.size:
+      match &= bool(np.array_equal(a, b))
+  return match, worst, worst_rel
 
 
 def count_hlo_ops(hlo_text: str) -> dict[str, int]:

@@ -36,6 +36,7 @@ def _create_solver(backend: str, choices: tuple[str, ...], argument: str) -> pyw
   for name in names:
     solver = pywraplp.Solver.CreateSolver(name)
     if solver is not None:
+      solver.backend_name = name  # SolverVersion() does not always name the backend
       return solver
   raise ValueError(
     f"{argument}={backend!r} is not available in this OR-Tools build; use 'auto' or one of "
@@ -59,10 +60,17 @@ class _Milp:
   cost_scale: float
 
 
-def _build(graph: RematGraph, budget_bytes: int, solver: pywraplp.Solver, integer: bool) -> _Milp:
+def _build(
+  graph: RematGraph, budget_bytes: int, solver: pywraplp.Solver, integer: bool,
+  clock: Clock, time_limit_s: float,
+) -> _Milp:
   """Builds the Checkmate program (section 4 of the paper) on ``solver``.
 
-  ``integer=False`` gives the LP relaxation.
+  ``integer=False`` gives the LP relaxation. The program has O(n^2) variables and is
+  built in Python, so on large graphs building alone can outlast the time limit.
+
+  Raises:
+    NoScheduleFoundError: the time limit passed while building.
   """
   order = graph.order
   n = len(order)
@@ -100,6 +108,12 @@ def _build(graph: RematGraph, budget_bytes: int, solver: pywraplp.Solver, intege
   objective.SetMinimization()
 
   for t in range(n):
+    if clock.elapsed_s() > time_limit_s:
+      raise NoScheduleFoundError(
+        f"building the Checkmate program of graph {graph.name!r} ({n} nodes, O(n^2) "
+        f"variables) outlasted time_limit_s={time_limit_s:g} at stage {t} of {n}; raise the "
+        "time limit or use solver='moccasin', whose model grows as O(n)."
+      )
     for k in range(t + 1):
       # A compute needs each input in memory or computed earlier in the stage.
       for i in deps[k]:
@@ -186,7 +200,7 @@ def solve_checkmate(
   if not graph.order:
     return Schedule((), graph.name, budget_bytes, "checkmate", {"status": "optimal"})
   solver = _create_solver(backend, MIP_BACKENDS, "backend")
-  milp = _build(graph, budget_bytes, solver, integer=True)
+  milp = _build(graph, budget_bytes, solver, True, clock, time_limit_s)
   solver.SetTimeLimit(max(1, int(1000 * (time_limit_s - clock.elapsed_s()))))
   solver.SetNumThreads(max(1, int(workers)))
   if log_search:
@@ -196,12 +210,12 @@ def solve_checkmate(
     raise InfeasibleBudgetError(
       budget_bytes,
       graph.min_feasible_bytes,
-      f"the {solver.SolverVersion()} backend proved the Checkmate MILP infeasible for the "
+      f"the {solver.backend_name} backend proved the Checkmate MILP infeasible for the "
       "input order; a free order (moccasin, order='free') may still fit",
     )
   if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
     raise NoScheduleFoundError(
-      f"checkmate ({solver.SolverVersion()}) found no schedule within budget="
+      f"checkmate ({solver.backend_name}) found no schedule within budget="
       f"{budget_bytes} bytes in time_limit_s={time_limit_s:g}; raise the time limit or "
       "use solver='moccasin'."
     )
@@ -210,12 +224,12 @@ def solve_checkmate(
   )
   duration = float(sum(graph.cost[v] for v in computes))
   bound = solver.Objective().BestBound() * milp.cost_scale
-  clock.improved(duration, bound, f"checkmate ({solver.SolverVersion()})")
+  clock.improved(duration, bound, f"checkmate ({solver.backend_name})")
   stats = {
     "status": "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
     "lower_bound": bound,
     "bound_scope": BOUND_SCOPE,
-    "backend": solver.SolverVersion(),
+    "backend": solver.backend_name,
     "time_to_best_s": clock.time_to_best_s,
     "history": clock.history,
   }
@@ -315,8 +329,13 @@ def solve_checkmate_lp(
     if reduced < graph.min_feasible_bytes:
       break
     solver = _create_solver(backend, LP_BACKENDS, "backend")
-    milp = _build(graph, reduced, solver, integer=False)
-    solver.SetTimeLimit(max(1, int(1000 * remaining_s)))
+    try:
+      milp = _build(graph, reduced, solver, False, clock, time_limit_s)
+    except NoScheduleFoundError:
+      if best is None:
+        raise
+      break
+    solver.SetTimeLimit(max(1, int(1000 * (time_limit_s - clock.elapsed_s()))))
     solver.SetNumThreads(max(1, int(workers)))
     if log_search:
       solver.EnableOutput()

@@ -352,7 +352,7 @@ def solve_moccasin(
       section 2.3 of the paper) or "free" (any topological order).
     hint: a schedule to start from; nodes it computes more often than C_v get more copies.
     precedence: "reservoir" (the paper's encoding) or "cover" (a literal per pair of
-      copies; equivalent, sometimes faster).
+      copies; equivalent, slower on the benchmark graphs tried).
     warm_start: without ``hint``, start from the best greedy evict-and-recompute
       sequence within budget (`best_greedy_computes`) when one exists.
     parameters: CP-SAT parameters (``SatParameters`` field name -> value) on top of
@@ -373,6 +373,8 @@ def solve_moccasin(
   """
   if order not in ORDERS:
     raise ValueError(f"order={order!r} is not supported; use 'staged' or 'free'.")
+  if precedence not in ("reservoir", "cover"):
+    raise ValueError(f"precedence={precedence!r} is not supported; use 'reservoir' or 'cover'.")
   clock = Clock(progress)
   staged = order == "staged"
   if not graph.order:
