@@ -36,12 +36,18 @@ def second_process(cache_dir: str, budget: float, time_limit: float) -> dict:
   start = time.perf_counter()
   fn, args = gpt.make_train_step()
   setup_s = time.perf_counter() - start
-  step = jaxremat.optimize(fn, budget=budget, solver="auto", time_limit=time_limit,
-                           cache_dir=cache_dir, verify=False)
+  step = jaxremat.optimize(
+    fn, budget=budget, solver="auto", time_limit=time_limit, cache_dir=cache_dir, verify=False
+  )
   plan = step.plan(*args)
-  return {"from_cache": plan.from_cache, "setup_s": setup_s, "plan_s": plan.plan_time_s,
-          "compile_s": plan.compile_time_s, "overhead_s": plan.plan_time_s - plan.compile_time_s,
-          "measured_peak_bytes": plan.measured_peak_bytes}
+  return {
+    "from_cache": plan.from_cache,
+    "setup_s": setup_s,
+    "plan_s": plan.plan_time_s,
+    "compile_s": plan.compile_time_s,
+    "overhead_s": plan.plan_time_s - plan.compile_time_s,
+    "measured_peak_bytes": plan.measured_peak_bytes,
+  }
 
 
 def main() -> None:
@@ -58,8 +64,9 @@ def main() -> None:
   cache_dir = tempfile.mkdtemp(prefix="jaxremat-bench-")
   fn, (params, opt_state, batch) = gpt.make_train_step()
   start = time.perf_counter()
-  step = jaxremat.optimize(fn, budget=args.budget, solver="auto", time_limit=args.time_limit,
-                           cache_dir=cache_dir)
+  step = jaxremat.optimize(
+    fn, budget=args.budget, solver="auto", time_limit=args.time_limit, cache_dir=cache_dir
+  )
   plan = step.plan(params, opt_state, batch)
   first_s = time.perf_counter() - start
   report = step.report(params, opt_state, batch, runs=5)
@@ -77,33 +84,58 @@ def main() -> None:
   max_rel = float(np.max(np.abs(opt_losses - ref_losses) / np.abs(ref_losses)))
 
   proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks.optimize_gpt", "--budget", str(args.budget),
-       "--time-limit", str(args.time_limit), "--second-process", cache_dir],
-      capture_output=True, text=True, check=True, cwd=pathlib.Path(__file__).parents[1],
+    [
+      sys.executable,
+      "-m",
+      "benchmarks.optimize_gpt",
+      "--budget",
+      str(args.budget),
+      "--time-limit",
+      str(args.time_limit),
+      "--second-process",
+      cache_dir,
+    ],
+    capture_output=True,
+    text=True,
+    check=True,
+    cwd=pathlib.Path(__file__).parents[1],
   )
   second = json.loads(proc.stdout.strip().splitlines()[-1])
 
   result = {
-      "example": "gpt.make_train_step", "budget_fraction": args.budget, "backend": jax.default_backend(),
-      "jax": jax.__version__, "load_avg": os.getloadavg(),
-      "baseline_peak_bytes": plan.baseline_peak_bytes, "budget_bytes": plan.budget_bytes,
-      "measured_peak_bytes": plan.measured_peak_bytes,
-      "predicted_peak_bytes": plan.schedule.stats["peak_bytes"],
-      "budget_met": plan.measured_peak_bytes <= plan.budget_bytes,
-      "attempts": [a.__dict__ for a in plan.attempts],
-      "solver_status": plan.schedule.stats.get("status"), "solve_time_s": plan.schedule.stats.get("solve_time_s"),
-      "first_call_s": first_s, "first_compile_s": plan.compile_time_s,
-      "flops_ratio": report.optimized.flops / report.original.flops,
-      "time_ratio": report.optimized.wall_time_s / report.original.wall_time_s,
-      "steps": args.steps, "losses_match": same, "max_rel_loss_diff": max_rel,
-      "losses": losses, "second_process": second,
+    "example": "gpt.make_train_step",
+    "budget_fraction": args.budget,
+    "backend": jax.default_backend(),
+    "jax": jax.__version__,
+    "load_avg": os.getloadavg(),
+    "baseline_peak_bytes": plan.baseline_peak_bytes,
+    "budget_bytes": plan.budget_bytes,
+    "measured_peak_bytes": plan.measured_peak_bytes,
+    "predicted_peak_bytes": plan.schedule.stats["peak_bytes"],
+    "budget_met": plan.measured_peak_bytes <= plan.budget_bytes,
+    "attempts": [a.__dict__ for a in plan.attempts],
+    "solver_status": plan.schedule.stats.get("status"),
+    "solve_time_s": plan.schedule.stats.get("solve_time_s"),
+    "first_call_s": first_s,
+    "first_compile_s": plan.compile_time_s,
+    "flops_ratio": report.optimized.flops / report.original.flops,
+    "time_ratio": report.optimized.wall_time_s / report.original.wall_time_s,
+    "steps": args.steps,
+    "losses_match": same,
+    "max_rel_loss_diff": max_rel,
+    "losses": losses,
+    "second_process": second,
   }
   RESULTS.mkdir(exist_ok=True)
   (RESULTS / "optimize_gpt.json").write_text(json.dumps(result, indent=1))
-  print(f"budget {plan.budget_bytes} B met: {result['budget_met']} (XLA {plan.measured_peak_bytes} B)")
+  print(
+    f"budget {plan.budget_bytes} B met: {result['budget_met']} (XLA {plan.measured_peak_bytes} B)"
+  )
   print(f"{args.steps} steps, losses match: {same} (max rel diff {max_rel:.2e})")
-  print(f"second process: from cache {second['from_cache']}, ready {second['overhead_s']:.2f} s "
-        f"+ XLA compile {second['compile_s']:.2f} s (model setup {second['setup_s']:.2f} s)")
+  print(
+    f"second process: from cache {second['from_cache']}, ready {second['overhead_s']:.2f} s "
+    f"+ XLA compile {second['compile_s']:.2f} s (model setup {second['setup_s']:.2f} s)"
+  )
 
 
 if __name__ == "__main__":

@@ -93,9 +93,22 @@ def test_analyze_a_jaxpr_the_user_printed(tmp_path):
   dump = tmp_path / "step.txt"
   dump.write_text(str(jax.make_jaxpr(jax.grad(loss))(ws, jnp.ones((1024, 32)))))
   code, out, err = run(
-      "analyze", dump, "--budget", "80%", "--budget", "60%", "--solver", "xla-greedy",
-      "--solver", "chen-sqrtn", "--time-limit", "5", "--json", tmp_path / "t.json",
-      "--plot", tmp_path / "t.png",
+    "analyze",
+    dump,
+    "--budget",
+    "80%",
+    "--budget",
+    "60%",
+    "--solver",
+    "xla-greedy",
+    "--solver",
+    "chen-sqrtn",
+    "--time-limit",
+    "5",
+    "--json",
+    tmp_path / "t.json",
+    "--plot",
+    tmp_path / "t.png",
   )
   assert code == 0, err
   assert "xla-greedy" in out and "chen-sqrtn" in out
@@ -106,11 +119,11 @@ def test_analyze_a_jaxpr_the_user_printed(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "content,words",
-    [
-        ("{ lambda ; a:f32[3]. let b:f32[3] = sin c in (b,) }", "variable 'c' is used before"),
-        ("not a jaxpr at all", "is not valid JSON"),
-    ],
+  "content,words",
+  [
+    ("{ lambda ; a:f32[3]. let b:f32[3] = sin c in (b,) }", "variable 'c' is used before"),
+    ("not a jaxpr at all", "is not valid JSON"),
+  ],
 )
 def test_analyze_bad_input_is_one_clear_line(tmp_path, content, words):
   bad = tmp_path / "dump.txt"

@@ -144,7 +144,9 @@ def _example_steps():
       yield f"{module.__name__.split('.')[-1]}.{make.__name__}", make
 
 
-@pytest.mark.parametrize("name,make", list(_example_steps()), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize(
+  "name,make", list(_example_steps()), ids=lambda x: x if isinstance(x, str) else ""
+)
 def test_graph_from_text_equals_the_traced_graph(name, make):
   fn, args = make()
   live = trace(fn, *args, costs="shape")

@@ -60,7 +60,9 @@ def test_optimize_meets_the_budget_as_xla_measures_it_and_matches_the_original(t
   fast = jaxremat.optimize(step, budget=0.7, solver="auto", time_limit=5, cache_dir=tmp_path)
   got = fast(*args)
   plan = fast.plan(*args)
-  assert plan.measured_peak_bytes <= plan.budget_bytes == int(np.ceil(0.7 * plan.baseline_peak_bytes))
+  assert (
+    plan.measured_peak_bytes <= plan.budget_bytes == int(np.ceil(0.7 * plan.baseline_peak_bytes))
+  )
   assert plan.schedule.stats["n_recompute"] > 0 and not plan.from_cache
   _assert_trees_allclose(got, jax.jit(step)(*args))
 

@@ -1,6 +1,6 @@
 """Analyze a saved jaxpr or graph: `jaxremat analyze` as a script.
 
-    python tools/analyze_jaxpr.py dump.txt --budget 80% --plot out.png
+Usage: python tools/analyze_jaxpr.py dump.txt --budget 80% --plot out.png
 """
 
 import sys

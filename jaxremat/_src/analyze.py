@@ -13,8 +13,8 @@ import os
 from collections.abc import Sequence
 
 from jaxremat._src.budget import BudgetLike, parse_budget
-from jaxremat._src.errors import FormatError, InfeasibleBudgetError, JaxrematError
-from jaxremat._src.graph import RematGraph, read_json
+from jaxremat._src.errors import InfeasibleBudgetError, JaxrematError
+from jaxremat._src.graph import RematGraph, parse_json, read_text
 from jaxremat._src.schedule import Schedule
 from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solve import solve
@@ -44,27 +44,21 @@ def load_graph(path: str | os.PathLike) -> RematGraph:
     FormatError: naming the file and what is wrong with it.
   """
   source = os.fspath(path)
-  try:
-    with open(path, encoding="utf-8") as f:
-      text = f.read()
-  except OSError as e:
-    raise FormatError(source, "", f"cannot be read: {e.strerror or e}.") from None
-  except UnicodeDecodeError:
-    raise FormatError(source, "", "is not UTF-8 text; expected a graph JSON or jaxpr text.") from None
+  text = read_text(path, expected="a graph JSON or jaxpr text")
   head = text.lstrip()
   if head.startswith("let ") or head.replace(" ", "").startswith("{lambda"):
     from jaxremat._src.trace import graph_from_jaxpr_text  # JAX loads only for jaxpr text
 
     name = os.path.splitext(os.path.basename(source))[0]
     return graph_from_jaxpr_text(text, source=source, name=name)
-  return RematGraph.from_dict(read_json(path), source=source)
+  return RematGraph.from_dict(parse_json(text, source), source=source)
 
 
 def tradeoff(
-    graph: RematGraph,
-    budgets: Sequence[BudgetLike] = DEFAULT_BUDGETS,
-    solvers: Sequence[str] = DEFAULT_SOLVERS,
-    time_limit_s: float = 10.0,
+  graph: RematGraph,
+  budgets: Sequence[BudgetLike] = DEFAULT_BUDGETS,
+  solvers: Sequence[str] = DEFAULT_SOLVERS,
+  time_limit_s: float = 10.0,
 ) -> tuple[list[Row], dict[tuple[float, str], Schedule]]:
   """Solves ``graph`` at each budget (any form `parse_budget` reads) with each solver.
 
@@ -85,8 +79,17 @@ def tradeoff(
         continue
       schedules[(fraction, solver)] = s
       st = s.stats
-      rows.append(Row(fraction, budget_bytes, solver, st["status"], st["peak_bytes"],
-                      st["tdi_percent"], st["solve_time_s"]))
+      rows.append(
+        Row(
+          fraction,
+          budget_bytes,
+          solver,
+          st["status"],
+          st["peak_bytes"],
+          st["tdi_percent"],
+          st["solve_time_s"],
+        )
+      )
   return rows, schedules
 
 
@@ -94,18 +97,20 @@ def format_table(graph: RematGraph, rows: Sequence[Row]) -> str:
   """The table `jaxremat analyze` prints."""
   base = simulate(graph, baseline_schedule(graph))
   lines = [
-      f"graph {graph.name}: {graph.n} nodes, {len(graph.edges)} edges, "
-      f"baseline peak {base.peak_bytes} bytes, duration {base.duration:.6g}; "
-      f"no schedule peaks below {graph.min_feasible_bytes} bytes",
-      "",
-      f"{'budget':>7} {'bytes':>14} {'solver':>12} {'status':>10} {'peak':>14} {'TDI %':>8} {'time s':>7}",
+    f"graph {graph.name}: {graph.n} nodes, {len(graph.edges)} edges, "
+    f"baseline peak {base.peak_bytes} bytes, duration {base.duration:.6g}; "
+    f"no schedule peaks below {graph.min_feasible_bytes} bytes",
+    "",
+    f"{'budget':>7} {'bytes':>14} {'solver':>12} {'status':>10} {'peak':>14} {'TDI %':>8} {'time s':>7}",
   ]
   for r in rows:
     peak = "" if r.peak_bytes is None else str(r.peak_bytes)
     tdi = "" if r.tdi_percent is None else f"{r.tdi_percent:.2f}"
     t = "" if r.solve_time_s is None else f"{r.solve_time_s:.2f}"
-    lines.append(f"{r.fraction:>7.0%} {r.budget_bytes:>14} {r.solver:>12} {r.status:>10} "
-                 f"{peak:>14} {tdi:>8} {t:>7}")
+    lines.append(
+      f"{r.fraction:>7.0%} {r.budget_bytes:>14} {r.solver:>12} {r.status:>10} "
+      f"{peak:>14} {tdi:>8} {t:>7}"
+    )
   return "\n".join(lines)
 
 
@@ -115,8 +120,9 @@ def save_json(path: str | os.PathLike, graph: RematGraph, rows: Sequence[Row]) -
     json.dump(data, f, indent=1)
 
 
-def plot(path: str | os.PathLike, graph: RematGraph, rows: Sequence[Row],
-         schedule: Schedule | None) -> None:
+def plot(
+  path: str | os.PathLike, graph: RematGraph, rows: Sequence[Row], schedule: Schedule | None
+) -> None:
   """A PNG: the memory timeline of ``schedule`` beside the baseline's, and TDI vs budget."""
   import matplotlib
 
@@ -133,12 +139,17 @@ def plot(path: str | os.PathLike, graph: RematGraph, rows: Sequence[Row],
   left.set(xlabel="event", ylabel="bytes in use", title=f"memory timeline: {graph.name}")
   left.legend()
   for solver in dict.fromkeys(r.solver for r in rows):
-    pts = [(r.fraction, r.tdi_percent) for r in rows if r.solver == solver and r.tdi_percent is not None]
+    pts = [
+      (r.fraction, r.tdi_percent) for r in rows if r.solver == solver and r.tdi_percent is not None
+    ]
     if pts:
       xs, ys = zip(*pts)
       right.plot(xs, ys, marker="o", label=solver)
-  right.set(xlabel="budget (fraction of the no-remat peak)", ylabel="TDI %",
-            title="extra compute against budget")
+  right.set(
+    xlabel="budget (fraction of the no-remat peak)",
+    ylabel="TDI %",
+    title="extra compute against budget",
+  )
   right.invert_xaxis()
   right.legend()
   fig.tight_layout()

@@ -108,20 +108,20 @@ class OptimizedFunction:
 
 
 def optimize(
-    fn: Callable | None = None,
-    *,
-    budget: BudgetLike,
-    solver: str = "auto",
-    time_limit: float = 60.0,
-    verify: bool = True,
-    cache_dir: str | None = None,
-    use_cache: bool = True,
-    fence: str = "auto",
-    max_replans: int = 3,
-    donate_argnums: int | Sequence[int] = (),
-    static_argnums: int | Sequence[int] = (),
-    progress: bool = True,
-    **solver_options: Any,
+  fn: Callable | None = None,
+  *,
+  budget: BudgetLike,
+  solver: str = "auto",
+  time_limit: float = 60.0,
+  verify: bool = True,
+  cache_dir: str | None = None,
+  use_cache: bool = True,
+  fence: str = "auto",
+  max_replans: int = 3,
+  donate_argnums: int | Sequence[int] = (),
+  static_argnums: int | Sequence[int] = (),
+  progress: bool = True,
+  **solver_options: Any,
 ) -> Any:
   """Makes ``fn`` run within ``budget`` bytes of device memory, recomputing the least.
 
@@ -158,10 +158,18 @@ def optimize(
     3.046...
   """
   options = dict(
-      budget=budget, solver=solver, time_limit=time_limit, verify=verify, cache_dir=cache_dir,
-      use_cache=use_cache, fence=fence, max_replans=max_replans,
-      donate_argnums=_as_tuple(donate_argnums), static_argnums=_as_tuple(static_argnums),
-      progress=progress, solver_options=solver_options,
+    budget=budget,
+    solver=solver,
+    time_limit=time_limit,
+    verify=verify,
+    cache_dir=cache_dir,
+    use_cache=use_cache,
+    fence=fence,
+    max_replans=max_replans,
+    donate_argnums=_as_tuple(donate_argnums),
+    static_argnums=_as_tuple(static_argnums),
+    progress=progress,
+    solver_options=solver_options,
   )
   if max_replans < 0:
     raise ValueError(f"max_replans={max_replans!r} must be a non-negative count.")
@@ -179,6 +187,7 @@ def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
 
 def _signature(args, kwargs, static_argnums) -> Any:
   """Tree structure, shapes and dtypes of the arguments, and the static values."""
+
   def leaf_key(x):
     if hasattr(x, "shape") and hasattr(x, "dtype"):
       return (tuple(x.shape), str(x.dtype))
@@ -198,23 +207,47 @@ def _progress_logger(enabled: bool) -> Callable[[Progress], None] | None:
     if p.elapsed_s >= 2.0 and p.elapsed_s - last[0] >= 2.0:
       last[0] = p.elapsed_s
       logger.info(
-          "jaxremat: solving %.0f s, best duration %s, bound %s %s", p.elapsed_s,
-          p.best_duration, p.lower_bound, p.message,
+        "jaxremat: solving %.0f s, best duration %s, bound %s %s",
+        p.elapsed_s,
+        p.best_duration,
+        p.lower_bound,
+        p.message,
       )
 
   return report
 
 
-def _make_plan(fn, args, kwargs, *, budget, solver, time_limit, verify, cache_dir, use_cache,
-               fence, max_replans, donate_argnums, static_argnums, progress,
-               solver_options) -> Plan:
+def _make_plan(
+  fn,
+  args,
+  kwargs,
+  *,
+  budget,
+  solver,
+  time_limit,
+  verify,
+  cache_dir,
+  use_cache,
+  fence,
+  max_replans,
+  donate_argnums,
+  static_argnums,
+  progress,
+  solver_options,
+) -> Plan:
   start = time.perf_counter()
   program = trace_program(fn, *args, static_argnums=static_argnums, **kwargs)
   graph = program.graph
   versions = {name: importlib.metadata.version(name) for name in ("jax", "jaxlib", "jaxremat")}
   key = fingerprint(
-      jaxpr=str(program.jaxpr), graph=graph.to_dict()["nodes"], budget=repr(budget), solver=solver,
-      fence=fence, options=solver_options, backend=jax.default_backend(), versions=versions,
+    jaxpr=str(program.jaxpr),
+    graph=graph.to_dict()["nodes"],
+    budget=repr(budget),
+    solver=solver,
+    fence=fence,
+    options=solver_options,
+    backend=jax.default_backend(),
+    versions=versions,
   )
   cache = PlanCache(cache_dir) if use_cache else None
   cached = cache.load(key, graph) if cache else None
@@ -223,21 +256,36 @@ def _make_plan(fn, args, kwargs, *, budget, solver, time_limit, verify, cache_di
     compiled = _compile(program, cached, fence, args, kwargs, donate_argnums)
     measured = compiled.peak_bytes
     if measured <= info.get("budget_bytes", -1):
-      return Plan(program, cached, info["budget_bytes"], info["baseline_peak_bytes"], measured,
-                  (), True, time.perf_counter() - start, compiled.compile_time_s, compiled.run)
-    logger.warning("jaxremat: the cached plan measures %d bytes, over budget; planning again.", measured)
+      return Plan(
+        program,
+        cached,
+        info["budget_bytes"],
+        info["baseline_peak_bytes"],
+        measured,
+        (),
+        True,
+        time.perf_counter() - start,
+        compiled.compile_time_s,
+        compiled.run,
+      )
+    logger.warning(
+      "jaxremat: the cached plan measures %d bytes, over budget; planning again.", measured
+    )
 
   baseline = measure(fn, *args, runs=0, **kwargs).peak_bytes
   budget_bytes = parse_budget(budget, baseline)
-  if budget_bytes < graph.min_feasible_bytes:
-    raise InfeasibleBudgetError(
-        budget_bytes, graph.min_feasible_bytes,
-        f"the inputs and output of {graph.node_label(graph.bottleneck_node)} with the resident "
-        "arguments alone",
-    )
+  graph.require_feasible(budget_bytes)
   loop = functools.partial(
-      _closed_loop, program, args, kwargs, budget_bytes, fence=fence, donate_argnums=donate_argnums,
-      time_limit=time_limit, progress=progress, solver_options=solver_options,
+    _closed_loop,
+    program,
+    args,
+    kwargs,
+    budget_bytes,
+    fence=fence,
+    donate_argnums=donate_argnums,
+    time_limit=time_limit,
+    progress=progress,
+    solver_options=solver_options,
   )
   tried = loop(solver, max_replans)
   if solver == "auto" and not any(t.met for t in tried):
@@ -248,14 +296,14 @@ def _make_plan(fn, args, kwargs, *, budget, solver, time_limit, verify, cache_di
       tried += loop(name, min(max_replans, 1))
   if not tried:
     raise NoScheduleFoundError(
-        f"solver={solver!r} found no schedule within budget={budget_bytes} bytes in "
-        f"time_limit={time_limit} s; raise the time limit or the budget."
+      f"solver={solver!r} found no schedule within budget={budget_bytes} bytes in "
+      f"time_limit={time_limit} s; raise the time limit or the budget."
     )
   met = [t for t in tried if t.met]
   if not met:
     least = min(t.compiled.peak_bytes for t in tried)
     raise InfeasibleBudgetError(
-        budget_bytes, least, f"the least XLA measured over {len(tried)} plans"
+      budget_bytes, least, f"the least XLA measured over {len(tried)} plans"
     )
   chosen = min(met, key=lambda t: t.schedule.stats["duration"])
   schedule, compiled = chosen.schedule, chosen.compiled
@@ -263,13 +311,30 @@ def _make_plan(fn, args, kwargs, *, budget, solver, time_limit, verify, cache_di
   compile_time_s = sum(t.compiled.compile_time_s for t in tried)
   if verify:
     _check(verify_plan(fn, compiled.emitted, schedule, *args, **kwargs))
-  schedule = schedule.replace(stats={**schedule.stats, "optimize": {
-      "budget_bytes": budget_bytes, "baseline_peak_bytes": baseline,
-      "attempts": [dataclasses.asdict(a) for a in attempts]}})
+  schedule = schedule.replace(
+    stats={
+      **schedule.stats,
+      "optimize": {
+        "budget_bytes": budget_bytes,
+        "baseline_peak_bytes": baseline,
+        "attempts": [dataclasses.asdict(a) for a in attempts],
+      },
+    }
+  )
   if cache:
     cache.store(key, schedule, info={"graph": graph.name, "versions": versions})
-  return Plan(program, schedule, budget_bytes, baseline, compiled.peak_bytes, attempts,
-              False, time.perf_counter() - start, compile_time_s, compiled.run)
+  return Plan(
+    program,
+    schedule,
+    budget_bytes,
+    baseline,
+    compiled.peak_bytes,
+    attempts,
+    False,
+    time.perf_counter() - start,
+    compile_time_s,
+    compiled.run,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,8 +345,20 @@ class _Tried:
   met: bool
 
 
-def _closed_loop(program, args, kwargs, budget_bytes, solver, max_replans, *, fence,
-                 donate_argnums, time_limit, progress, solver_options) -> list[_Tried]:
+def _closed_loop(
+  program,
+  args,
+  kwargs,
+  budget_bytes,
+  solver,
+  max_replans,
+  *,
+  fence,
+  donate_argnums,
+  time_limit,
+  progress,
+  solver_options,
+) -> list[_Tried]:
   """Solves with ``solver`` and compiles; while XLA measures over budget, plans tighter.
 
   The model and XLA count the same bytes but XLA adds some (buffers it holds longer,
@@ -296,8 +373,14 @@ def _closed_loop(program, args, kwargs, budget_bytes, solver, max_replans, *, fe
   tried: list[_Tried] = []
   while len(tried) <= max_replans and planning >= graph.min_feasible_bytes:
     try:
-      schedule = solve(graph, planning, solver=solver, time_limit=time_limit,
-                       progress=_progress_logger(progress), **solver_options)
+      schedule = solve(
+        graph,
+        planning,
+        solver=solver,
+        time_limit=time_limit,
+        progress=_progress_logger(progress),
+        **solver_options,
+      )
     except InfeasibleBudgetError as e:
       if tried:
         break
@@ -311,8 +394,12 @@ def _closed_loop(program, args, kwargs, budget_bytes, solver, max_replans, *, fe
     tried.append(_Tried(attempt, schedule, compiled, met))
     if met:
       break
-    logger.info("jaxremat: %s plan measures %d bytes in XLA, over the budget of %d; planning "
-                "tighter.", solver, compiled.peak_bytes, budget_bytes)
+    logger.info(
+      "jaxremat: %s plan measures %d bytes in XLA, over the budget of %d; planning tighter.",
+      solver,
+      compiled.peak_bytes,
+      budget_bytes,
+    )
     planning -= compiled.peak_bytes - budget_bytes + int(_REPLAN_MARGIN * budget_bytes)
   return tried
 
@@ -336,16 +423,16 @@ def _compile(program, schedule, fence, args, kwargs, donate_argnums) -> _Compile
 def _check(v) -> None:
   if not (v.outputs_match or v.max_rel_norm_error <= _NORM_RTOL):
     raise VerificationError(
-        f"The optimized step's outputs differ from the original's (max abs error "
-        f"{v.max_abs_error:.3g}, norm-wise relative error {v.max_rel_norm_error:.3g}); this "
-        "is a jaxremat bug: please report it with the step. Pass verify=False to skip this "
-        "check."
+      f"The optimized step's outputs differ from the original's (max abs error "
+      f"{v.max_abs_error:.3g}, norm-wise relative error {v.max_rel_norm_error:.3g}); this "
+      "is a jaxremat bug: please report it with the step. Pass verify=False to skip this "
+      "check."
     )
   if not v.recomputes_survive:
     raise VerificationError(
-        f"XLA merged away planned recomputations (planned {dict(v.planned_recomputes)}, kept "
-        f"{dict(v.surviving_recomputes)}); the memory saving is not real. Try fence='cond', "
-        "or report it with the step."
+      f"XLA merged away planned recomputations (planned {dict(v.planned_recomputes)}, kept "
+      f"{dict(v.surviving_recomputes)}); the memory saving is not real. Try fence='cond', "
+      "or report it with the step."
     )
 
 
@@ -381,28 +468,52 @@ class Report:
       return f"x{a / b:.3f}" if a is not None and b else "n/a"
 
     rows = [
-        ("", "original", "optimized", "ratio"),
-        ("peak, model", f"{s['baseline_peak_bytes'] / mib:.1f} MiB", f"{s['peak_bytes'] / mib:.1f} MiB",
-         ratio(s["peak_bytes"], s["baseline_peak_bytes"])),
-        ("peak, XLA", f"{orig.peak_bytes / mib:.1f} MiB", f"{opt.peak_bytes / mib:.1f} MiB",
-         ratio(opt.peak_bytes, orig.peak_bytes)),
-        ("duration, model", f"{s['baseline_duration']:.3g}", f"{s['duration']:.3g}",
-         ratio(s["duration"], s["baseline_duration"])),
-        ("FLOPs, XLA", f"{orig.flops or 0:.3g}", f"{opt.flops or 0:.3g}", ratio(opt.flops, orig.flops)),
-        ("wall time", f"{(orig.wall_time_s or 0) * 1e3:.2f} ms", f"{(opt.wall_time_s or 0) * 1e3:.2f} ms",
-         ratio(opt.wall_time_s, orig.wall_time_s)),
+      ("", "original", "optimized", "ratio"),
+      (
+        "peak, model",
+        f"{s['baseline_peak_bytes'] / mib:.1f} MiB",
+        f"{s['peak_bytes'] / mib:.1f} MiB",
+        ratio(s["peak_bytes"], s["baseline_peak_bytes"]),
+      ),
+      (
+        "peak, XLA",
+        f"{orig.peak_bytes / mib:.1f} MiB",
+        f"{opt.peak_bytes / mib:.1f} MiB",
+        ratio(opt.peak_bytes, orig.peak_bytes),
+      ),
+      (
+        "duration, model",
+        f"{s['baseline_duration']:.3g}",
+        f"{s['duration']:.3g}",
+        ratio(s["duration"], s["baseline_duration"]),
+      ),
+      (
+        "FLOPs, XLA",
+        f"{orig.flops or 0:.3g}",
+        f"{opt.flops or 0:.3g}",
+        ratio(opt.flops, orig.flops),
+      ),
+      (
+        "wall time",
+        f"{(orig.wall_time_s or 0) * 1e3:.2f} ms",
+        f"{(opt.wall_time_s or 0) * 1e3:.2f} ms",
+        ratio(opt.wall_time_s, orig.wall_time_s),
+      ),
     ]
     lines = [
-        f"jaxremat: {p.program.graph.name} ({p.program.graph.n} nodes) on {opt.backend}",
-        f"budget {p.budget_bytes / mib:.1f} MiB: {met} (XLA measured {opt.peak_bytes / mib:.1f} MiB)",
-        f"solver {self.plan.schedule.solver}: {s.get('status')} in {s.get('solve_time_s', 0):.2f} s"
-        + (" (plan from cache)" if p.from_cache else f", {len(p.attempts)} plan(s)"),
-        "",
+      f"jaxremat: {p.program.graph.name} ({p.program.graph.n} nodes) on {opt.backend}",
+      f"budget {p.budget_bytes / mib:.1f} MiB: {met} (XLA measured {opt.peak_bytes / mib:.1f} MiB)",
+      f"solver {self.plan.schedule.solver}: {s.get('status')} in {s.get('solve_time_s', 0):.2f} s"
+      + (" (plan from cache)" if p.from_cache else f", {len(p.attempts)} plan(s)"),
+      "",
     ]
     lines += [f"{a:<16}{b:>14}{c:>14}{d:>9}" for a, b, c, d in rows]
     recomputed = self.recomputed()
-    lines += ["", f"recomputed: {s.get('n_recompute', 0)} node computations"
-              + (", by source:" if recomputed else "")]
+    lines += [
+      "",
+      f"recomputed: {s.get('n_recompute', 0)} node computations"
+      + (", by source:" if recomputed else ""),
+    ]
     lines += [f"  {n:4d} x {prim:<18} {src}" for src, prim, n in recomputed[:20]]
     return "\n".join(lines)
 

@@ -81,8 +81,10 @@ def _cmd_analyze(args) -> int:
 
   graph = analyze.load_graph(args.file)
   rows, schedules = analyze.tradeoff(
-      graph, args.budget or analyze.DEFAULT_BUDGETS, args.solver or analyze.DEFAULT_SOLVERS,
-      args.time_limit,
+    graph,
+    args.budget or analyze.DEFAULT_BUDGETS,
+    args.solver or analyze.DEFAULT_SOLVERS,
+    args.time_limit,
   )
   print(analyze.format_table(graph, rows))
   if args.json:
@@ -120,10 +122,18 @@ def _parser() -> _Parser:
   p.add_argument("-o", "--output", help="where to write the jaxremat.schedule/1 file")
   p.set_defaults(run=_cmd_solve)
 
-  p = sub.add_parser("analyze", help="budget versus overhead across solvers, for a graph or jaxpr text")
-  p.add_argument("file", help="a jaxremat.graph/1 file, or a jaxpr as print(jax.make_jaxpr(f)(*args)) shows it")
+  p = sub.add_parser(
+    "analyze", help="budget versus overhead across solvers, for a graph or jaxpr text"
+  )
+  p.add_argument(
+    "file", help="a jaxremat.graph/1 file, or a jaxpr as print(jax.make_jaxpr(f)(*args)) shows it"
+  )
   p.add_argument("--budget", action="append", help="a budget (repeatable; default 100%%..50%%)")
-  p.add_argument("--solver", action="append", help="a solver (repeatable); one of: " + ", ".join(available_solvers()))
+  p.add_argument(
+    "--solver",
+    action="append",
+    help="a solver (repeatable); one of: " + ", ".join(available_solvers()),
+  )
   p.add_argument("--time-limit", type=float, default=10.0, help="seconds per solve (default 10)")
   p.add_argument("--plot", help="write a PNG: memory timeline and overhead against budget")
   p.add_argument("--json", help="write the table as JSON")

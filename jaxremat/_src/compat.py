@@ -7,6 +7,7 @@ imports JAX internals only through this module, so a JAX upgrade touches one fil
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -225,8 +226,6 @@ def new_literal(value: Any, aval: Any) -> Any:
 def new_closed_jaxpr(constvars, invars, outvars, eqns_spec, consts) -> Any:
   """A ClosedJaxpr from ``eqns_spec``: ``(invars, outvars, primitive, params)`` tuples."""
   from jax.extend.core import new_jaxpr_eqn
-
-  import warnings
 
   eqns = [new_jaxpr_eqn(i, o, p, params, frozenset()) for i, o, p, params in eqns_spec]
   with warnings.catch_warnings():  # no DebugInfo: there is no Python function behind it

@@ -25,7 +25,9 @@ def make_mlp_step(depth: int = 16, width: int = 256, batch: int = 4096, checkpoi
   """
   optimizer = optax.sgd(1e-3)
   keys = jax.random.split(jax.random.key(0), depth + 2)
-  params = [jax.random.normal(k, (width, width), jnp.float32) / jnp.sqrt(width) for k in keys[:depth]]
+  params = [
+    jax.random.normal(k, (width, width), jnp.float32) / jnp.sqrt(width) for k in keys[:depth]
+  ]
   x = jax.random.normal(keys[-2], (batch, width), jnp.float32)
   y = jax.random.normal(keys[-1], (batch, width), jnp.float32)
 
@@ -53,14 +55,18 @@ def run_demo(budget: float = 0.5, solver: str = "auto", time_limit: float = 15.0
   """Prints the jax.checkpoint comparison and jaxremat's `Report` for the MLP step."""
   mib = 2.0**20
   step, args = make_mlp_step()
-  print(f"Training step: 16-layer tanh MLP, batch 4096, width 256, float32, SGD "
-        f"(XLA on {jax.default_backend()}).")
+  print(
+    f"Training step: 16-layer tanh MLP, batch 4096, width 256, float32, SGD "
+    f"(XLA on {jax.default_backend()})."
+  )
   plain = measure(step, *args, runs=0)
   ckpt_step, _ = make_mlp_step(checkpoint=True)
   ckpt = measure(ckpt_step, *args, runs=0)
   print(f"  no remat:               XLA peak {plain.peak_bytes / mib:7.1f} MiB")
-  print(f"  per-layer checkpoint:   XLA peak {ckpt.peak_bytes / mib:7.1f} MiB, "
-        f"FLOPs x{(ckpt.flops or 0) / plain.flops:.3f}")
+  print(
+    f"  per-layer checkpoint:   XLA peak {ckpt.peak_bytes / mib:7.1f} MiB, "
+    f"FLOPs x{(ckpt.flops or 0) / plain.flops:.3f}"
+  )
   print(f"\nOptimizing with jaxremat at {budget:.0%} of the no-remat peak (solver {solver!r})...")
   start = time.perf_counter()
   fast = optimize(step, budget=budget, solver=solver, time_limit=time_limit, use_cache=False)

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxremat._src.errors import FormatError
+from jaxremat._src.errors import FormatError, InfeasibleBudgetError
 
 GRAPH_FORMAT = "jaxremat.graph/1"
 # Sizes are bytes in a signed 64-bit counter everywhere downstream (CP-SAT, numpy).
@@ -139,6 +139,16 @@ class RematGraph:
     """
     v = self.bottleneck_node
     return self.resident_bytes if v is None else self.compute_bytes(v)
+
+  def require_feasible(self, budget_bytes: int) -> None:
+    """Raises `InfeasibleBudgetError` if ``budget_bytes`` is below `min_feasible_bytes`."""
+    if budget_bytes < self.min_feasible_bytes:
+      raise InfeasibleBudgetError(
+        budget_bytes,
+        self.min_feasible_bytes,
+        f"the resident inputs plus the inputs and output of "
+        f"{self.node_label(self.bottleneck_node)} alone",
+      )
 
   def node_label(self, v: int) -> str:
     """``"#12 'dot_general @ model.py:41'"``: how errors and reports name a node."""
@@ -383,16 +393,20 @@ def topological_order(
 # -- JSON files ------------------------------------------------------------------------
 
 
-def read_json(path: str | os.PathLike) -> Any:
-  """Reads a JSON file, turning every failure into a `FormatError` naming the file."""
+def read_text(path: str | os.PathLike, expected: str = "a JSON file") -> str:
+  """Reads a UTF-8 text file, turning every failure into a `FormatError` naming the file."""
   source = os.fspath(path)
   try:
     with open(path, encoding="utf-8") as f:
-      text = f.read()
+      return f.read()
   except OSError as e:
     raise FormatError(source, "", f"cannot be read: {e.strerror or e}.") from None
   except UnicodeDecodeError:
-    raise FormatError(source, "", "is not UTF-8 text; expected a JSON file.") from None
+    raise FormatError(source, "", f"is not UTF-8 text; expected {expected}.") from None
+
+
+def parse_json(text: str, source: str) -> Any:
+  """Parses JSON text (no NaN or Infinity), errors naming ``source`` and the position."""
   try:
     return json.loads(text, parse_constant=_reject_constant)
   except json.JSONDecodeError as e:
@@ -401,6 +415,11 @@ def read_json(path: str | os.PathLike) -> Any:
     ) from None
   except (ValueError, RecursionError) as e:
     raise FormatError(source, "", f"is not valid JSON: {e}.") from None
+
+
+def read_json(path: str | os.PathLike) -> Any:
+  """Reads a JSON file, turning every failure into a `FormatError` naming the file."""
+  return parse_json(read_text(path), os.fspath(path))
 
 
 def _reject_constant(name: str):

@@ -189,8 +189,11 @@ class _Parser:
         for key, subs in e.subjaxprs.items():
           for x in subs:
             if isinstance(x, str) and x not in self.named:
-              raise FormatError(self.source, f"{e.primitive.name}[{key}]",
-                                f"refers to {x!r}, which no `let` header defines.")
+              raise FormatError(
+                self.source,
+                f"{e.primitive.name}[{key}]",
+                f"refers to {x!r}, which no `let` header defines.",
+              )
           e.subjaxprs[key] = tuple(self.named[x] if isinstance(x, str) else x for x in subs)
           stack.extend(e.subjaxprs[key])
 
@@ -342,8 +345,12 @@ def parse_jaxpr_text(text: str, source: str = "<jaxpr text>") -> TextJaxpr:
   return _Parser(text, source).program()
 
 
-def inline_calls(jaxpr: TextJaxpr, primitives: frozenset[str], body_params: Sequence[str],
-                 source: str = "<jaxpr text>") -> TextJaxpr:
+def inline_calls(
+  jaxpr: TextJaxpr,
+  primitives: frozenset[str],
+  body_params: Sequence[str],
+  source: str = "<jaxpr text>",
+) -> TextJaxpr:
   """Inlines the equations of call-like ``primitives`` (jit, custom_jvp_call, ...).
 
   Each inlined body gets fresh variables, since one named body (a ``let`` header) may be
@@ -363,8 +370,12 @@ def inline_calls(jaxpr: TextJaxpr, primitives: frozenset[str], body_params: Sequ
       inner = next((e.subjaxprs[k][0] for k in body_params if k in e.subjaxprs), None)
       if e.primitive.name in primitives and inner is not None:
         if inner.constvars:
-          raise FormatError(source, e.primitive.name, "has a body that closes over constants; "
-                            "print the jaxpr of a function without closed-over arrays.")
+          raise FormatError(
+            source,
+            e.primitive.name,
+            "has a body that closes over constants; "
+            "print the jaxpr of a function without closed-over arrays.",
+          )
         inner_env = dict(zip(inner.invars, ins, strict=True))
         walk(inner, inner_env, fresh=True)
         for o, r in zip(e.outvars, inner.outvars, strict=True):
@@ -397,7 +408,9 @@ def _param_value(raw: str) -> Any:
     call = ast.parse(raw, mode="eval").body
   except SyntaxError:
     return raw
-  if isinstance(call, ast.Call) and getattr(call.func, "id", None) in _PARAM_TYPES and not call.args:
+  if (
+    isinstance(call, ast.Call) and getattr(call.func, "id", None) in _PARAM_TYPES and not call.args
+  ):
     from jax import lax
 
     try:
@@ -447,10 +460,15 @@ def to_closed_jaxpr(jaxpr: TextJaxpr) -> Any:
       prim = compat.primitive_by_name(e.primitive.name, len(e.outvars) > 1)
       spec.append(([atom(x) for x in e.invars], [var(o) for o in e.outvars], prim, params))
     return compat.new_closed_jaxpr(
-        [var(v) for v in j.constvars], [var(v) for v in j.invars], [atom(x) for x in j.outvars],
-        spec, consts,
+      [var(v) for v in j.constvars],
+      [var(v) for v in j.invars],
+      [atom(x) for x in j.outvars],
+      spec,
+      consts,
     )
 
-  consts = [np.zeros(v.aval.shape, v.aval.dtype) if not isinstance(v.aval.dtype, str) else None
-            for v in jaxpr.constvars]
+  consts = [
+    np.zeros(v.aval.shape, v.aval.dtype) if not isinstance(v.aval.dtype, str) else None
+    for v in jaxpr.constvars
+  ]
   return convert(jaxpr, consts)

@@ -77,9 +77,9 @@ class PlanCache:
     check = simulate(graph, schedule)
     if not check.valid:
       warnings.warn(
-          f"Ignoring the plan cache entry {path}: it is not a valid schedule of this graph "
-          f"({check.error}).",
-          stacklevel=2,
+        f"Ignoring the plan cache entry {path}: it is not a valid schedule of this graph "
+        f"({check.error}).",
+        stacklevel=2,
       )
       return None
     return schedule
@@ -87,6 +87,10 @@ class PlanCache:
   def store(self, key: str, schedule: Schedule, info: Mapping[str, Any] | None = None) -> None:
     """Writes the plan atomically (an interrupted write leaves no partial file)."""
     self.directory.mkdir(parents=True, exist_ok=True)
-    entry = {"format": PLAN_FORMAT, "key": key, "info": dict(info or {}),
-             "schedule": schedule.to_dict()}
+    entry = {
+      "format": PLAN_FORMAT,
+      "key": key,
+      "info": dict(info or {}),
+      "schedule": schedule.to_dict(),
+    }
     write_json_atomic(self.path(key), entry)

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from jaxremat._src.budget import BudgetLike, parse_budget
-from jaxremat._src.errors import InfeasibleBudgetError, SolverError
+from jaxremat._src.errors import SolverError
 from jaxremat._src.graph import RematGraph
 from jaxremat._src.schedule import Schedule
 from jaxremat._src.simulate import baseline_schedule, simulate
@@ -61,13 +61,7 @@ def solve(
   """
   baseline = simulate(graph, baseline_schedule(graph))
   budget_bytes = parse_budget(budget, baseline.peak_bytes)
-  if budget_bytes < graph.min_feasible_bytes:
-    raise InfeasibleBudgetError(
-      budget_bytes,
-      graph.min_feasible_bytes,
-      f"the resident inputs plus the inputs and output of "
-      f"{graph.node_label(graph.bottleneck_node)} alone",
-    )
+  graph.require_feasible(budget_bytes)
   if time_limit <= 0:
     raise ValueError(f"time_limit={time_limit!r} must be a positive number of seconds.")
   workers = workers or os.cpu_count() or 1

@@ -215,7 +215,7 @@ def save_graph(fn: Callable, *args, path: str | os.PathLike, **kwargs) -> RematG
 
 
 def graph_from_jaxpr_text(
-    text: str, *, source: str = "<jaxpr text>", name: str = "jaxpr", fold: bool = True
+  text: str, *, source: str = "<jaxpr text>", name: str = "jaxpr", fold: bool = True
 ) -> RematGraph:
   """The graph of a jaxpr printed by ``print(jax.make_jaxpr(f)(*args))``.
 

@@ -61,8 +61,12 @@ class _Milp:
 
 
 def _build(
-  graph: RematGraph, budget_bytes: int, solver: pywraplp.Solver, integer: bool,
-  clock: Clock, time_limit_s: float,
+  graph: RematGraph,
+  budget_bytes: int,
+  solver: pywraplp.Solver,
+  integer: bool,
+  clock: Clock,
+  time_limit_s: float,
 ) -> _Milp:
   """Builds the Checkmate program (section 4 of the paper) on ``solver``.
 
