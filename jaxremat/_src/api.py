@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -141,7 +142,7 @@ def optimize(
     max_replans: how many times to tighten the plan when XLA measures it over budget.
     donate_argnums: as for `jax.jit`, for the optimized step.
     static_argnums: arguments that are static (as for `jax.jit`).
-    progress: log the solver's progress (logger "jaxremat", INFO) on long solves.
+    progress: print the solver's progress to stderr on solves longer than 2 s.
     **solver_options: passed to the solver.
 
   Returns:
@@ -198,7 +199,8 @@ def _signature(args, kwargs, static_argnums) -> Any:
   return tree, tuple(leaf_key(x) for x in leaves)
 
 
-def _progress_logger(enabled: bool) -> Callable[[Progress], None] | None:
+def _progress_printer(enabled: bool) -> Callable[[Progress], None] | None:
+  """Prints a solve's progress to stderr every 2 s once it has run for 2 s."""
   if not enabled:
     return None
   last = [0.0]
@@ -206,12 +208,10 @@ def _progress_logger(enabled: bool) -> Callable[[Progress], None] | None:
   def report(p: Progress) -> None:
     if p.elapsed_s >= 2.0 and p.elapsed_s - last[0] >= 2.0:
       last[0] = p.elapsed_s
-      logger.info(
-        "jaxremat: solving %.0f s, best duration %s, bound %s %s",
-        p.elapsed_s,
-        p.best_duration,
-        p.lower_bound,
-        p.message,
+      print(
+        f"jaxremat: solving for {p.elapsed_s:.0f} s; best duration {p.best_duration}, "
+        f"lower bound {p.lower_bound} {p.message}",
+        file=sys.stderr,
       )
 
   return report
@@ -378,7 +378,7 @@ def _closed_loop(
         planning,
         solver=solver,
         time_limit=time_limit,
-        progress=_progress_logger(progress),
+        progress=_progress_printer(progress),
         **solver_options,
       )
     except InfeasibleBudgetError as e:
