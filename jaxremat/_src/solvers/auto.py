@@ -81,13 +81,7 @@ def solve_auto(
   """
   start = time.perf_counter()
   lower_bound = float(sum(graph.cost[v] for v in graph.order))
-  if budget_bytes < graph.min_feasible_bytes:
-    raise InfeasibleBudgetError(
-      budget_bytes,
-      graph.min_feasible_bytes,
-      f"the resident inputs plus the inputs and output of "
-      f"{graph.node_label(graph.bottleneck_node)} alone",
-    )
+  graph.require_feasible(budget_bytes)
   best: dict[str, Any] = {"schedule": None, "duration": None, "solver": None, "time_s": None}
   portfolio: dict[str, Any] = {}
   history: list[list[float]] = []
