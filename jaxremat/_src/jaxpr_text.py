@@ -25,8 +25,6 @@ _PRIMITIVE = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")  # e.g. scatter-add
 _DTYPE = re.compile(r"[a-z][a-z0-9_]*(?:<[a-z_]+>)?")
 _NUMBER = re.compile(r"-?(?:[0-9]+\.?[0-9]*(?:e[+-]?[0-9]+)?|inf|nan)")
 _LITERAL_WORDS = ("True", "False", "inf", "nan")
-# PRNG key element sizes: (uint32 words per key) x 4 bytes, by implementation.
-_KEY_BYTES = {"fry": 8, "rbg": 16, "unsafe_rbg": 16, "threefry2x32": 8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,16 +33,6 @@ class TextAval:
 
   shape: tuple[int, ...]
   dtype: Any
-
-  @property
-  def size(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64))
-
-  @property
-  def itemsize(self) -> int:
-    if isinstance(self.dtype, str):
-      return _KEY_BYTES.get(self.dtype[4:-1], 8)
-    return self.dtype.itemsize
 
   def str_short(self) -> str:
     return f"{self.dtype}[{','.join(map(str, self.shape))}]"
