@@ -1,20 +1,26 @@
 """Heuristic and structural solvers and `auto` on the shared graph suite.
 
-Three parts (all by default), each printing a table and writing under benchmarks/results/:
+Parts (``--parts``, comma-separated; all but ``long`` by default), each printing a table
+and writing under benchmarks/results/. Every solve records wall seconds, process CPU
+seconds (all threads) and the 1-minute load average: the machine is shared.
 
 * ``heuristics``: every heuristic on every graph at budgets 0.9 / 0.8 / 0.7 -> status, peak,
-  TDI, wall time (``heuristics.csv``).
+  TDI, times (``heuristics.csv``).
 * ``twremat``: the TWRemat(k) curve (peak and length against noremat) on the Checkmate
   training graphs and the random layered graphs (``heuristics.twremat.csv`` and the plot
   ``heuristics.twremat.png``).
-* ``auto``: `auto` at 0.8 within ``--auto-time-limit`` seconds on every graph, against the
-  best TDI any solver reached (the heuristics here, a longer `auto` run where asked with
-  ``--long-time-limit``, and the MOCCASIN reference runs of shared/design/BENCHMARKS.md)
-  (``heuristics.auto.csv``; ``heuristics.auto_long<T>s.csv`` with a longer run).
+* ``long``: ``--long-solver`` (default `auto`) at 0.8 with ``--long-time-limit`` seconds
+  (default 600) on the graphs given (``heuristics.long_<solver><T>s.csv``).
+* ``auto``: `auto` at 0.8 within ``--auto-time-limit`` seconds on every graph
+  (``heuristics.auto.csv``; with ``--long-time-limit``, also a longer `auto` run).
+* ``compare``: `auto` against the best TDI any run reached: the heuristics, the long runs,
+  and the MOCCASIN reference runs of shared/design/BENCHMARKS.md (``heuristics.compare.csv``).
 
 Run from the repository root:
-  python benchmarks/heuristics.py                       # everything
-  python benchmarks/heuristics.py --parts auto --graphs moccasin_rl100 --long-time-limit 300
+  python benchmarks/heuristics.py                       # everything but the long runs
+  python benchmarks/heuristics.py --parts long --long-solver moccasin \
+    --graphs moccasin_rl250 moccasin_rl500 moccasin_rl1000 checkmate_resnet50_train
+  python benchmarks/heuristics.py --parts compare
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import pathlib
 import time
 
@@ -35,6 +42,8 @@ GRAPHS = ROOT.parent / "shared" / "graphs"
 RESULTS = ROOT / "benchmarks" / "results"
 HEURISTICS = (
   "reorder",
+  "cover",
+  "cover-staged",
   "xla-greedy",
   "chen-sqrtn",
   "chen-sqrtn-ap",
@@ -57,13 +66,26 @@ REFERENCE_TDI_08 = {
 
 
 def _run(graph, fraction, solver, time_limit, **options):
-  start = time.perf_counter()
+  """One solve: status, TDI, wall and process CPU seconds, and the 1-minute load average.
+
+  The machine is shared: CPU seconds (every thread of this process) say how much work the
+  solve did, wall seconds how long it waited too.
+  """
+  start, cpu_start = time.perf_counter(), time.process_time()
+
+  def clocks():
+    return {
+      "time_s": time.perf_counter() - start,
+      "cpu_s": time.process_time() - cpu_start,
+      "load_1min": os.getloadavg()[0],
+    }
+
   try:
     s = jaxremat.solve(graph, fraction, solver, time_limit=time_limit, workers=2, **options)
   except InfeasibleBudgetError:
-    return {"status": "infeasible", "time_s": time.perf_counter() - start}
+    return {"status": "infeasible", **clocks()}
   except NoScheduleFoundError:
-    return {"status": "none", "time_s": time.perf_counter() - start}
+    return {"status": "none", **clocks()}
   st = s.stats
   return {
     "status": st["status"],
@@ -71,7 +93,7 @@ def _run(graph, fraction, solver, time_limit, **options):
     "peak_fraction": st["peak_bytes"] / st["baseline_peak_bytes"],
     "tdi_percent": st["tdi_percent"],
     "n_recompute": st["n_recompute"],
-    "time_s": time.perf_counter() - start,
+    **clocks(),
     "best_solver": st.get("best_solver"),
   }
 
@@ -90,12 +112,13 @@ def _fmt(row):
   return f"{row['tdi_percent']:8.2f}%{'' if row['status'] == 'optimal' else ' '}"
 
 
-def part_heuristics(names, time_limit):
+def part_heuristics(names, time_limit, solvers=HEURISTICS):
+  """Every solver of ``solvers`` on every graph; rows of other solvers in the CSV are kept."""
   rows = []
   print(f"\n{'graph':28} {'solver':15} " + " ".join(f"{m:>10}" for m in BUDGETS) + "   time s")
   for name in names:
     graph = RematGraph.load(GRAPHS / f"{name}.json")
-    for solver in HEURISTICS:
+    for solver in solvers:
       cells, total_s = [], 0.0
       for fraction in BUDGETS:
         row = {"graph": name, "solver": solver, "budget": fraction}
@@ -104,7 +127,12 @@ def part_heuristics(names, time_limit):
         cells.append(_fmt(row))
         total_s += row["time_s"]
       print(f"{name:28} {solver:15} " + " ".join(cells) + f" {total_s:8.2f}", flush=True)
-  _write_csv(RESULTS / "heuristics.csv", rows)
+  path = RESULTS / "heuristics.csv"
+  redone = {(r["graph"], r["solver"]) for r in rows}
+  kept = [r for r in _read_csv(path) if (r["graph"], r["solver"]) not in redone]
+  order = {solver: k for k, solver in enumerate(HEURISTICS)}
+  rows = sorted(kept + rows, key=lambda r: (r["graph"], order.get(r["solver"], len(order))))
+  _write_csv(path, rows)
   return rows
 
 
@@ -173,8 +201,47 @@ def _plot(curves):
   fig.savefig(RESULTS / "heuristics.twremat.png", dpi=120)
 
 
+def part_long(names, solver, time_limit):
+  """``solver`` at 0.8 with a long limit: the bound `auto` is compared with."""
+  rows = []
+  for name in names:
+    graph = RematGraph.load(GRAPHS / f"{name}.json")
+    row = {"graph": name, "solver": solver, "budget": 0.8, "time_limit_s": time_limit}
+    row.update(_run(graph, 0.8, solver, time_limit))
+    rows.append(row)
+    print(
+      f"{name:28} {solver} {time_limit:g}s: {_fmt(row)} wall {row['time_s']:.0f} s, "
+      f"cpu {row['cpu_s']:.0f} s, load {row['load_1min']:.1f}",
+      flush=True,
+    )
+  path = RESULTS / f"heuristics.long_{solver}{time_limit:g}s.csv"
+  old = [r for r in _read_csv(path) if r["graph"] not in names] if path.exists() else []
+  _write_csv(path, old + rows)
+  return rows
+
+
+def _read_csv(path):
+  with open(path) as f:
+    return [
+      {**r, "tdi_percent": float(r["tdi_percent"])} if r.get("tdi_percent") else r
+      for r in csv.DictReader(f)
+    ]
+
+
+def _long_bounds():
+  """graph -> {"<solver>-<T>s": TDI} from every ``heuristics.long_*.csv`` (`part_long`)."""
+  bounds = {}
+  for path in sorted(RESULTS.glob("heuristics.long_*.csv")):
+    for r in _read_csv(path):
+      if isinstance(r.get("tdi_percent"), float):
+        key = f"{r['solver']}-{float(r['time_limit_s']):g}s"
+        bounds.setdefault(r["graph"], {})[key] = r["tdi_percent"]
+  return bounds
+
+
 def part_auto(names, auto_time_limit, long_time_limit, heuristic_rows):
   rows = []
+  long_bounds = _long_bounds()
   print(f"\n{'graph':28} {'auto TDI':>9} {'s':>6} {'by':>12} {'best TDI':>9} {'from':>16}  gap")
   for name in names:
     graph = RematGraph.load(GRAPHS / f"{name}.json")
@@ -183,12 +250,15 @@ def part_auto(names, auto_time_limit, long_time_limit, heuristic_rows):
     row.update({f"auto_{k}": v for k, v in auto.items()})
     best = {}
     for h in heuristic_rows:
-      if h["graph"] == name and h["budget"] == 0.8 and "tdi_percent" in h:
+      if (
+        h["graph"] == name and float(h["budget"]) == 0.8 and isinstance(h.get("tdi_percent"), float)
+      ):
         best[h["solver"]] = h["tdi_percent"]
     if "tdi_percent" in auto:
       best["auto"] = auto["tdi_percent"]
     if name in REFERENCE_TDI_08:
       best["moccasin-reference"] = REFERENCE_TDI_08[name]
+    best.update(long_bounds.get(name, {}))
     if long_time_limit and auto.get("status") != "optimal":
       long = _run(graph, 0.8, "auto", long_time_limit)
       row.update({f"long_{k}": v for k, v in long.items()})
@@ -214,20 +284,71 @@ def part_auto(names, auto_time_limit, long_time_limit, heuristic_rows):
   return rows
 
 
+def part_compare(names):
+  """`auto` at 0.8 (``heuristics.auto.csv``) against the best TDI any run reached.
+
+  The bounds: every heuristic at 0.8 (``heuristics.csv``), the long runs
+  (``heuristics.long_*.csv``), `auto` itself and the MOCCASIN reference runs.
+  """
+  auto_rows = {r["graph"]: r for r in _read_csv(RESULTS / "heuristics.auto.csv")}
+  heuristic_rows = _read_csv(RESULTS / "heuristics.csv")
+  long_bounds = _long_bounds()
+  rows = []
+  print(
+    "\n| graph | auto TDI % (60 s) | wall s | CPU s | load | found by | best TDI % | from | gap |"
+    "\n|---|---|---|---|---|---|---|---|---|"
+  )
+  for name in names:
+    auto = auto_rows.get(name)
+    if auto is None:
+      continue
+    best = {
+      h["solver"]: h["tdi_percent"]
+      for h in heuristic_rows
+      if h["graph"] == name and float(h["budget"]) == 0.8 and isinstance(h["tdi_percent"], float)
+    }
+    best.update(long_bounds.get(name, {}))
+    if name in REFERENCE_TDI_08:
+      best["moccasin-reference"] = REFERENCE_TDI_08[name]
+    auto_tdi = float(auto["auto_tdi_percent"]) if auto.get("auto_tdi_percent") else None
+    if auto_tdi is not None:
+      best["auto-60s"] = auto_tdi
+    row = {"graph": name, "auto_status": auto["auto_status"], "auto_tdi_percent": auto_tdi}
+    for key in ("time_s", "cpu_s", "load_1min", "best_solver"):
+      row[f"auto_{key}"] = auto.get(f"auto_{key}")
+    if best:
+      source = min(best, key=lambda k: (best[k], k == "auto-60s"))  # ties: another run
+      row.update(best_tdi_percent=best[source], best_source=source)
+      row["gap_points"] = auto_tdi - best[source] if auto_tdi is not None else math.nan
+    rows.append(row)
+    short = name.replace("checkmate_", "").replace("_train", "").replace("moccasin_", "")
+    tdi = f"{auto_tdi:.3f}" if auto_tdi is not None else row["auto_status"]
+    bound = f"{row['best_tdi_percent']:.3f}" if "best_tdi_percent" in row else "-"
+    print(
+      f"| {short} | {tdi} | {float(auto['auto_time_s']):.1f} | {float(auto['auto_cpu_s']):.1f} "
+      f"| {float(auto['auto_load_1min']):.1f} | {auto.get('auto_best_solver') or '-'} | {bound} "
+      f"| {row.get('best_source', '-')} | {row.get('gap_points', math.nan):.3f} |"
+    )
+  _write_csv(RESULTS / "heuristics.compare.csv", rows)
+  return rows
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--parts", default="heuristics,twremat,auto")
+  parser.add_argument("--parts", default="heuristics,twremat,auto,compare")
   parser.add_argument("--graphs", nargs="*", default=sorted(p.stem for p in GRAPHS.glob("*.json")))
   parser.add_argument("--time-limit", type=float, default=30.0, help="per heuristic call")
+  parser.add_argument("--solvers", nargs="*", default=HEURISTICS, help="for --parts heuristics")
   parser.add_argument("--auto-time-limit", type=float, default=60.0)
   parser.add_argument("--long-time-limit", type=float, default=0.0, help="0: no longer run")
+  parser.add_argument("--long-solver", default="auto", help="the solver of --parts long")
   args = parser.parse_args()
   RESULTS.mkdir(parents=True, exist_ok=True)
   parts = args.parts.split(",")
   out = {"graphs": args.graphs, "machine": "2 CPU cores shared with other jobs"}
   heuristic_rows = []
   if "heuristics" in parts:
-    heuristic_rows = out["heuristics"] = part_heuristics(args.graphs, args.time_limit)
+    heuristic_rows = out["heuristics"] = part_heuristics(args.graphs, args.time_limit, args.solvers)
   elif (RESULTS / "heuristics.csv").exists():
     with open(RESULTS / "heuristics.csv") as f:
       heuristic_rows = [
@@ -237,8 +358,12 @@ def main():
       ]
   if "twremat" in parts:
     out["twremat"] = part_twremat(args.graphs)
+  if "long" in parts:
+    out["long"] = part_long(args.graphs, args.long_solver, args.long_time_limit or 600.0)
   if "auto" in parts:
     out["auto"] = part_auto(args.graphs, args.auto_time_limit, args.long_time_limit, heuristic_rows)
+  if "compare" in parts:
+    out["compare"] = part_compare(args.graphs)
   long = f"_long{args.long_time_limit:g}s" if "auto" in parts and args.long_time_limit else ""
   path = RESULTS / f"heuristics.{'_'.join(parts)}{long}.json"
   path.write_text(json.dumps(out, indent=1, default=str) + "\n")

@@ -4,7 +4,9 @@ Usage: python -m benchmarks.trace_accuracy [--examples mlp,gpt] [--steps grad,tr
 
 Prints a table and writes benchmarks/results/trace_accuracy.{csv,json}. XLA's peak is
 argument + output + temp - alias of ``jax.jit(f).lower(*args).compile().memory_analysis()``
-(ARCHITECTURE.md fact 3); the prediction is ``simulate(graph, baseline_schedule(graph))``.
+(ARCHITECTURE.md fact 3); the prediction is ``trace.xla_accounted_peak_bytes(graph)``: the
+baseline run ``simulate(graph, baseline_schedule(graph))`` counted as XLA counts it (outputs
+from the start, per-node scratch, buffers XLA makes at the program start).
 """
 
 import argparse

@@ -1,13 +1,16 @@
-"""Runnable models and training steps for jaxremat (MLP, GPT, U-Net, ResNet).
+"""Runnable models and training steps for jaxremat (MLP, GPT, U-Net, ResNet, VGG16, MobileNet).
 
 Each module has ``init_params``, ``loss``, ``make_grad_fn`` (``jax.value_and_grad(loss)``
 and its example arguments), ``make_train_step`` (loss, gradient and an optax update,
-with example arguments) and a ``python -m examples.NAME`` main that runs a few steps.
+with example arguments), ``SMALL`` (the smallest sizes, for tests) and a
+``python -m examples.NAME [--budget 0.5]`` main that runs a few steps, with jaxremat at
+the budget if one is given. ``loss(..., checkpoint="per_block" | "sqrt_n")`` checkpoints
+the model's blocks with `jax.checkpoint` (see ``examples._common.checkpointed_loss``).
 """
 
 import importlib
 
-EXAMPLES = ("mlp", "gpt", "unet", "resnet")
+EXAMPLES = ("mlp", "gpt", "unet", "resnet", "vgg16", "mobilenet")
 
 
 def load(name: str):

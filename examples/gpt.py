@@ -55,11 +55,14 @@ def _attention(qkv, n_heads):
 N_HEADS = 4
 
 
-def loss(params, tokens):
+def _block(blk, x):
+  x = x + _attention(_layer_norm(blk["ln1"], x) @ blk["qkv"], N_HEADS) @ blk["proj"]
+  return x + jax.nn.gelu(_layer_norm(blk["ln2"], x) @ blk["fc"]) @ blk["out"]
+
+
+def loss(params, tokens, *, checkpoint=None):
   x = params["embed"][tokens[:, :-1]] + params["pos"][: tokens.shape[1] - 1]
-  for blk in params["blocks"]:
-    x = x + _attention(_layer_norm(blk["ln1"], x) @ blk["qkv"], N_HEADS) @ blk["proj"]
-    x = x + jax.nn.gelu(_layer_norm(blk["ln2"], x) @ blk["fc"]) @ blk["out"]
+  x = _common.run_blocks([(_block, blk) for blk in params["blocks"]], x, checkpoint)
   logits = _layer_norm(params["ln_f"], x) @ params["embed"].T
   logp = jax.nn.log_softmax(logits)
   return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
@@ -69,11 +72,13 @@ def example_batch(key, batch=8, seq_len=128, vocab=512):
   return jax.random.randint(key, (batch, seq_len + 1), 0, vocab)
 
 
+# The smallest sizes (tests, quick benchmarks).
+SMALL = {"vocab": 64, "d_model": 32, "n_layers": 2, "seq_len": 16, "batch": 2}
+
+
 def make_grad_fn(**sizes):
   """``jax.value_and_grad(loss)`` and its example arguments ``(params, tokens)``."""
-  key = jax.random.key(0)
-  params = init_params(key, **sizes)
-  return jax.value_and_grad(loss), (params, example_batch(key))
+  return jax.value_and_grad(loss), _common.example_args(sys.modules[__name__], **sizes)
 
 
 def make_train_step(**sizes):
@@ -83,4 +88,4 @@ def make_train_step(**sizes):
 
 
 if __name__ == "__main__":
-  _common.main(sys.modules[__name__])
+  sys.exit(0 if _common.main(sys.modules[__name__]) else 1)

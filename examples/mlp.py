@@ -22,10 +22,13 @@ def init_params(key, depth=16, width=256, d_in=256, d_out=16):
   return {"layers": layers, "head": head}
 
 
-def loss(params, batch):
+def _layer(p, x):
+  return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def loss(params, batch, *, checkpoint=None):
   x, y = batch
-  for layer in params["layers"]:
-    x = jnp.tanh(x @ layer["w"] + layer["b"])
+  x = _common.run_blocks([(_layer, p) for p in params["layers"]], x, checkpoint)
   pred = x @ params["head"]["w"] + params["head"]["b"]
   return jnp.mean((pred - y) ** 2)
 
@@ -35,10 +38,13 @@ def example_batch(key, batch=1024, d_in=256, d_out=16):
   return jax.random.normal(kx, (batch, d_in)), jax.random.normal(ky, (batch, d_out))
 
 
+# The smallest sizes (tests, quick benchmarks).
+SMALL = {"depth": 4, "width": 32, "d_in": 32, "batch": 1024}
+
+
 def make_grad_fn(**sizes):
   """``jax.value_and_grad(loss)`` and its example arguments ``(params, batch)``."""
-  key = jax.random.key(0)
-  return jax.value_and_grad(loss), (init_params(key, **sizes), example_batch(key))
+  return jax.value_and_grad(loss), _common.example_args(sys.modules[__name__], **sizes)
 
 
 def make_train_step(**sizes):
@@ -48,4 +54,4 @@ def make_train_step(**sizes):
 
 
 if __name__ == "__main__":
-  _common.main(sys.modules[__name__])
+  sys.exit(0 if _common.main(sys.modules[__name__]) else 1)

@@ -1,5 +1,6 @@
 """A small ResNet (NHWC): a stem, residual stages with strided downsampling, a linear head."""
 
+import functools
 import sys
 
 import jax
@@ -54,17 +55,23 @@ def init_params(key, widths=(16, 32, 64), blocks_per_stage=2, c_in=3, n_classes=
   }
 
 
-def loss(params, batch):
+def _block(stride, blk, x):
+  h = jax.nn.relu(_norm(blk["n1"], _conv(blk["w1"], x, stride)))
+  h = _norm(blk["n2"], _conv(blk["w2"], h))
+  shortcut = _conv(blk["proj"], x, stride) if "proj" in blk else x
+  return jax.nn.relu(h + shortcut)
+
+
+def loss(params, batch, *, checkpoint=None):
   x, labels = batch
   x = jax.nn.relu(_conv(params["stem"], x))
-  for s, stage in enumerate(params["stages"]):
-    for b, blk in enumerate(stage):
-      # The first block of every later stage halves the resolution (and projects).
-      stride = 2 if (s > 0 and b == 0) else 1
-      h = jax.nn.relu(_norm(blk["n1"], _conv(blk["w1"], x, stride)))
-      h = _norm(blk["n2"], _conv(blk["w2"], h))
-      shortcut = _conv(blk["proj"], x, stride) if "proj" in blk else x
-      x = jax.nn.relu(h + shortcut)
+  # The first block of every later stage halves the resolution (and projects).
+  blocks = [
+    (functools.partial(_block, 2 if (s > 0 and b == 0) else 1), blk)
+    for s, stage in enumerate(params["stages"])
+    for b, blk in enumerate(stage)
+  ]
+  x = _common.run_blocks(blocks, x, checkpoint)
   logits = x.mean((1, 2)) @ params["head"]
   logp = jax.nn.log_softmax(logits)
   return -jnp.take_along_axis(logp, labels[:, None], axis=-1).mean()
@@ -77,10 +84,13 @@ def example_batch(key, batch=16, size=32, c_in=3, n_classes=10):
   )
 
 
+# The smallest sizes (tests, quick benchmarks).
+SMALL = {"widths": (4, 8), "blocks_per_stage": 1, "size": 8, "batch": 2}
+
+
 def make_grad_fn(**sizes):
   """``jax.value_and_grad(loss)`` and its example arguments ``(params, batch)``."""
-  key = jax.random.key(0)
-  return jax.value_and_grad(loss), (init_params(key, **sizes), example_batch(key))
+  return jax.value_and_grad(loss), _common.example_args(sys.modules[__name__], **sizes)
 
 
 def make_train_step(**sizes):
@@ -90,4 +100,4 @@ def make_train_step(**sizes):
 
 
 if __name__ == "__main__":
-  _common.main(sys.modules[__name__])
+  sys.exit(0 if _common.main(sys.modules[__name__]) else 1)

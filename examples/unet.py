@@ -46,16 +46,28 @@ def _upsample(x):
   return jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
 
 
-def loss(params, batch):
+# Blocks carry ``(x, skips)``: the way down pushes skips, the way up pops them.
+def _down(p, state):
+  x, skips = state
+  x = _block(p, x)
+  return _downsample(x), (*skips, x)
+
+
+def _bottom(p, state):
+  x, skips = state
+  return _block(p, x), skips
+
+
+def _up(p, state):
+  x, skips = state
+  return _block(p, jnp.concatenate([_upsample(x), skips[-1]], axis=-1)), skips[:-1]
+
+
+def loss(params, batch, *, checkpoint=None):
   x, y = batch
-  skips = []
-  for i, p in enumerate(params["down"]):
-    x = _block(p, x)
-    if i < len(params["down"]) - 1:
-      skips.append(x)
-      x = _downsample(x)
-  for p, skip in zip(params["up"], reversed(skips), strict=True):
-    x = _block(p, jnp.concatenate([_upsample(x), skip], axis=-1))
+  *down, bottom = params["down"]
+  blocks = [(_down, p) for p in down] + [(_bottom, bottom)] + [(_up, p) for p in params["up"]]
+  x, _ = _common.run_blocks(blocks, (x, ()), checkpoint)
   pred = _conv(params["head"], x)
   return jnp.mean((pred - y) ** 2)
 
@@ -66,10 +78,13 @@ def example_batch(key, batch=8, size=32, c_in=3):
   return jax.random.normal(kx, shape), jax.random.normal(ky, shape)
 
 
+# The smallest sizes (tests, quick benchmarks).
+SMALL = {"channels": (4, 8), "size": 8, "batch": 2}
+
+
 def make_grad_fn(**sizes):
   """``jax.value_and_grad(loss)`` and its example arguments ``(params, batch)``."""
-  key = jax.random.key(0)
-  return jax.value_and_grad(loss), (init_params(key, **sizes), example_batch(key))
+  return jax.value_and_grad(loss), _common.example_args(sys.modules[__name__], **sizes)
 
 
 def make_train_step(**sizes):
@@ -79,4 +94,4 @@ def make_train_step(**sizes):
 
 
 if __name__ == "__main__":
-  _common.main(sys.modules[__name__])
+  sys.exit(0 if _common.main(sys.modules[__name__]) else 1)

@@ -26,3 +26,37 @@ def shared_graph(name: str) -> RematGraph:
 def any_shared_graph(request) -> RematGraph:
   """Every graph in ../shared/graphs, one test each (skipped when the folder is absent)."""
   return shared_graph(request.param)
+
+
+# ---------------------------------------------------------------------------- backends
+# Tests run on whichever backend JAX selects (JAX_PLATFORMS=cpu|cuda|tpu). What each
+# backend is expected to do lives in jaxremat/_src/backends.py; tests marked `accelerator`
+# need a GPU or TPU and are skipped elsewhere, with the reason in the summary (-rs).
+
+
+def pytest_report_header(config) -> list[str]:
+  import jax
+
+  from jaxremat._src.backends import backend_facts
+
+  facts = backend_facts()
+  return [
+    f"jaxremat backend: {facts.platform} ({jax.devices()[0].device_kind}), jax {jax.__version__}, "
+    f"fence {facts.fence!r}, barrier holds: {facts.barrier_holds}, "
+    f"device memory_stats: {facts.device_memory_stats}"
+  ]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+  from jaxremat._src.backends import backend_facts
+
+  facts = backend_facts()
+  if facts.platform in ("gpu", "tpu"):
+    return
+  skip = pytest.mark.skip(
+    reason=f"needs a GPU or TPU; JAX selected the {facts.platform!r} backend "
+    "(run with JAX_PLATFORMS=cuda or tpu on such a machine)"
+  )
+  for item in items:
+    if "accelerator" in item.keywords:
+      item.add_marker(skip)

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from backend import assert_trees_allclose
+from jax import lax
 
 import jaxremat
-from jaxremat._src.emit import always_true, apply_fence, default_fence, emit
+from jaxremat._src.emit import (
+  _input_dependent,
+  always_true,
+  apply_fence,
+  default_fence,
+  emit,
+  plan_runs,
+)
 from jaxremat._src.segments import segment_schedule
 from jaxremat._src.trace import trace_program
 from jaxremat._src.verify import count_hlo_ops, planned_recomputes, verify
@@ -34,12 +45,6 @@ def mlp():
   step = jax.value_and_grad(mlp_loss)
   program = trace_program(step, params, x, costs="shape")
   return step, program, (params, x)
-
-
-def assert_trees_allclose(actual, expected, rtol=1e-5, atol=1e-6):
-  assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
 
 
 def dots(fn, *args, **jit_kwargs) -> int:
@@ -122,6 +127,12 @@ def test_verify_reports_plan_kept_and_memory_lowered(mlp):
   assert kept.emitted.temp_bytes < kept.original.temp_bytes
   assert kept.measured_flops_increase == pytest.approx(kept.planned_flops_increase, rel=0.05)
   assert kept.predicted_peak_bytes < kept.predicted_baseline_peak_bytes
+  summary = kept.summary()
+  assert summary["recomputes_survive"]
+  assert summary["n_surviving_recomputes"] == kept.planned_recomputes["dot"]
+  assert summary["measured_peak_bytes"] == kept.emitted.peak_bytes
+  assert summary["emitted_temp_bytes"] < summary["original_temp_bytes"]
+  json.dumps(summary)
   merged = verify(step, emit(program, schedule, fence="none"), None, *args)
   assert merged.outputs_match
   assert not merged.recomputes_survive and not merged.ok()
@@ -149,7 +160,7 @@ def test_unused_recomputation_is_dropped_not_planned(mlp):
   # The first copy of the first node is freed unread, then computed again: only one counts.
   schedule = jaxremat.schedule_from_computes(graph, order[:1] + order)
   assert jaxremat.simulate(graph, schedule).n_recompute == 1
-  emitted = emit(program, schedule)
+  emitted = emit(program, schedule, pin="recomputations")
   assert emitted.n_fences == 0
   report = verify(step, emitted, schedule, *args)
   assert report.planned_recomputes == {} and report.recomputes_survive
@@ -225,10 +236,107 @@ def test_fences_return_their_values_unchanged():
   values = [jnp.arange(6.0).reshape(2, 3), jnp.array([True, False]), jnp.int32(7)]
   for fence in ("cond", "select", "barrier", "none"):
     out = jax.jit(lambda t, v, f=fence: apply_fence(f, t, v))(trigger, values)
-    assert_trees_allclose(out, values, rtol=0, atol=0)
+    assert_trees_allclose(out, values, exact=True)
 
 
 def test_default_fence_per_backend():
   assert default_fence("cpu") == "select"
   assert default_fence("gpu") == "barrier"
   assert default_fence("tpu") == "barrier"
+
+
+def test_fence_waits_for_a_value_xla_cannot_fold():
+  # Two nodes (the iota product and its sum) are constants, and one is computed just
+  # before the recomputed dot. XLA may fold a predicate read from a constant: on ResNet
+  # it folded `jnp.var`'s `N - ddof > 0` and merged the recomputed convolutions (the slow
+  # test below). The fence must wait for a value that depends on an input.
+  def f(x, w):
+    h = x @ w
+    s = jnp.sum(jnp.sin(h))
+    r = jnp.arange(32.0) * jnp.arange(32.0)
+    return s * jnp.sum(r) + jnp.sum(jnp.cos(h) * r)
+
+  x = jax.random.normal(jax.random.key(0), (64, 32))
+  w = jax.random.normal(jax.random.key(1), (32, 32))
+  program = trace_program(f, x, w, costs="shape")
+  graph, eqns = program.graph, program.jaxpr.jaxpr.eqns
+  varying = _input_dependent(program)
+
+  def constant(v):
+    return not any(x in varying for i in program.node_eqns[v] for x in eqns[i].outvars)
+
+  constants = [v for v in graph.order if constant(v)]
+  (dot,) = [v for v in graph.order if graph.nodes[v].attrs.get("primitive") == "dot_general"]
+  readers = [v for v in graph.order if v != dot and v not in constants]
+  assert len(constants) == 2 and len(readers) == 2
+  # The dot, its first reader, the last constant, then the dot again for the other reader.
+  computes = [constants[0], dot, readers[0], constants[1], dot, readers[1]]
+  schedule = jaxremat.schedule_from_computes(graph, computes)
+  (run,) = [r for r in plan_runs(program, schedule) if r.recompute]
+  assert run.trigger in varying
+  report = verify(f, emit(program, schedule, pin="recomputations"), schedule, x, w)
+  assert report.planned_recomputes == {"dot": 1} and report.recomputes_survive
+  assert report.outputs_match
+
+
+def test_smallest_operand_is_routed(mlp):
+  _, program, _ = mlp
+  runs = plan_runs(program, segment_schedule(program.graph, 3))
+  recomputed = [r for r in runs if r.recompute]
+  assert recomputed
+  # A recomputed layer's dot reads its activations (BATCH x WIDTH) and weights (WIDTH x
+  # WIDTH): only the weights go through the fence.
+  shapes = {tuple(x.aval.shape) for r in recomputed for x in r.routed}
+  assert (WIDTH, WIDTH) in shapes and (BATCH, WIDTH) not in shapes
+
+
+def test_pinning_fences_every_compute_and_keeps_values(mlp):
+  step, program, args = mlp
+  schedule = segment_schedule(program.graph, 3)
+  pinned = emit(program, schedule, pin="all")
+  loose = emit(program, schedule, pin="recomputations")
+  n_runs = len(plan_runs(program, schedule, pin="all"))
+  # Every run but the first (nothing computed before it to wait for) has a fence.
+  assert pinned.n_fences == n_runs - 1 > loose.n_fences > 0
+  assert_trees_allclose(jax.jit(pinned)(*args), jax.jit(step)(*args))
+  report = verify(step, pinned, schedule, *args)
+  assert report.recomputes_survive and report.outputs_match
+  with pytest.raises(ValueError, match="pin='order'"):
+    emit(program, schedule, pin="order")
+
+
+def test_convolutions_lowered_to_dots_still_count():
+  # XLA:CPU runs 1x1 convolutions as dots; a recomputed one survives as a dot.
+  def loss(kernels, x):
+    h = x
+    for k in kernels:
+      conv = lax.conv_general_dilated(
+        h, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+      )
+      h = jnp.tanh(conv)
+    return jnp.sum(h * h)
+
+  key = jax.random.key(0)
+  kernels = [jax.random.normal(jax.random.fold_in(key, i), (1, 1, 8, 8)) / 3 for i in range(4)]
+  x = jax.random.normal(key, (4, 8, 8, 8))
+  step = jax.grad(loss)
+  program = trace_program(step, kernels, x, costs="shape")
+  schedule = segment_schedule(program.graph, 2)
+  report = verify(step, emit(program, schedule), schedule, kernels, x)
+  assert report.planned_recomputes == {"convolution": 2}
+  assert report.surviving_recomputes["dot"] == 2
+  assert report.recomputes_survive and report.n_surviving_recomputes == 2
+  assert report.outputs_match
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("solver", ["chen-greedy", "griewank"])
+def test_resnet_solver_schedules_keep_every_recomputation(solver):
+  import examples
+
+  fn, args = examples.load("resnet").make_grad_fn()
+  program = trace_program(fn, *args, costs="xla")
+  schedule = jaxremat.solve(program.graph, 0.9, solver=solver, time_limit=10, workers=1)
+  report = verify(fn, emit(program, schedule), schedule, *args)
+  assert report.n_planned_recomputes > 0 and report.recomputes_survive
+  assert report.outputs_match

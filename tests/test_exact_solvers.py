@@ -19,7 +19,8 @@ from jaxremat import (
   schedule_from_computes,
   simulate,
 )
-from jaxremat._src.solvers.moccasin import copy_counts
+from jaxremat._src.solvers.exact_common import warm_start_computes
+from jaxremat._src.solvers.moccasin import bounded_by_duration, copy_counts
 
 SEEDS = range(10)
 
@@ -146,6 +147,36 @@ def test_checkmate_reaches_the_checkmate_optimum(seed):
   graph = random_graph(seed)
   budget = random_budget(graph, seed)
   assert solve_or_none(graph, budget, "checkmate") == brute_force(graph, budget, "checkmate")
+
+
+def test_a_hint_within_budget_bounds_the_model_and_keeps_the_optimum():
+  bounded = 0
+  for seed in SEEDS:
+    graph = random_graph(seed)
+    budget = random_budget(graph, seed)
+    start = warm_start_computes(graph, budget, staged=True, time_limit_s=5)
+    if start is None:
+      continue
+    assert list(dict.fromkeys(start)) == list(graph.order)  # fits the staged model
+    n = len(graph.order)
+    hint = schedule_from_computes(graph, start)
+    schedule = jaxremat.solve(
+      graph, budget, "moccasin", hint=hint, copies=n, time_limit=20, workers=2
+    )
+    assert schedule.stats["status"] == "optimal"
+    assert simulate(graph, schedule).duration == brute_force(graph, budget, "staged")
+    counts, horizon = bounded_by_duration(graph, copy_counts(graph, n, True), start)
+    slack = sum(graph.cost[v] for v in start) - sum(graph.cost[v] for v in graph.order)
+    assert all(c == 1 for v, c in counts.items() if graph.cost[v] > slack)
+    assert len(start) <= horizon <= n + sum(c - 1 for c in counts.values())
+    bounded += horizon < n * n
+  assert bounded >= 5  # the warm start fits on most seeds and shrinks the n * n slots
+
+
+def test_a_baseline_hint_leaves_one_copy_per_node():
+  graph = random_graph(3)
+  counts, horizon = bounded_by_duration(graph, copy_counts(graph, 3, True), graph.order)
+  assert horizon == len(graph.order) and set(counts.values()) == {1}
 
 
 def test_brute_force_orders_are_nested():

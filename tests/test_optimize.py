@@ -8,6 +8,7 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from backend import assert_trees_allclose
 
 import jaxremat
 from jaxremat._src.demo import make_mlp_step
@@ -16,11 +17,6 @@ from jaxremat._src.plan_cache import PlanCache, fingerprint
 
 def _small_step():
   return make_mlp_step(depth=8, width=128, batch=1024)
-
-
-def _assert_trees_allclose(a, b, rtol=1e-5, atol=1e-6):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
 def test_plan_cache_round_trip_and_damaged_entries(tmp_path):
@@ -64,7 +60,7 @@ def test_optimize_meets_the_budget_as_xla_measures_it_and_matches_the_original(t
     plan.measured_peak_bytes <= plan.budget_bytes == int(np.ceil(0.7 * plan.baseline_peak_bytes))
   )
   assert plan.schedule.stats["n_recompute"] > 0 and not plan.from_cache
-  _assert_trees_allclose(got, jax.jit(step)(*args))
+  assert_trees_allclose(got, jax.jit(step)(*args))
 
   # A second function (as in a second process) takes the plan from the cache.
   again = jaxremat.optimize(step, budget=0.7, solver="auto", time_limit=5, cache_dir=tmp_path)
@@ -85,7 +81,7 @@ def test_optimized_step_trains_like_the_original(tmp_path):
     p1, s1, loss1 = ref(p1, s1, x, y)
     p2, s2, loss2 = fast(p2, s2, x, y)
     np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
-  _assert_trees_allclose(p2, p1)
+  assert_trees_allclose(p2, p1)
 
 
 def test_an_impossible_budget_names_the_smallest_one(tmp_path):

@@ -35,6 +35,19 @@ FAST_GRAPHS = (
   "moccasin_rl100",
 )
 FAST_TIMED_GRAPHS = FAST_GRAPHS[:3]
+# Deterministic solvers whose fixed work can pass 2 s on a busy machine: a limit that
+# never binds keeps the second run's answer identical.
+TIME_LIMIT_S = {
+  name: 60.0
+  for name in (
+    "cover",
+    "cover-staged",
+    "chen-greedy",
+    "chen-greedy-ap",
+    "chen-sqrtn",
+    "chen-sqrtn-ap",
+  )
+}
 
 
 def _answer(graph, fraction, solver, time_limit):
@@ -77,7 +90,7 @@ def _fast_cases():
 
 @pytest.mark.parametrize("solver, name, fraction", list(_fast_cases()))
 def test_solver_conformance(solver, name, fraction):
-  _check(name, solver, fraction, time_limit=2.0)
+  _check(name, solver, fraction, time_limit=TIME_LIMIT_S.get(solver, 2.0))
 
 
 @pytest.mark.slow

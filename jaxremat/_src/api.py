@@ -23,7 +23,12 @@ import jax
 from jaxremat._src import compat
 from jaxremat._src.budget import BudgetLike, parse_budget
 from jaxremat._src.emit import emit
-from jaxremat._src.errors import InfeasibleBudgetError, NoScheduleFoundError, VerificationError
+from jaxremat._src.errors import (
+  InfeasibleBudgetError,
+  NoScheduleFoundError,
+  UnsupportedError,
+  VerificationError,
+)
 from jaxremat._src.measure import Measurement, measure
 from jaxremat._src.plan_cache import PlanCache, fingerprint
 from jaxremat._src.schedule import Schedule
@@ -100,6 +105,13 @@ class OptimizedFunction:
     """The `Plan` for these arguments' signature, making it on first use."""
     key = _signature(args, kwargs, self.options["static_argnums"])
     if key not in self.plans:
+      if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
+        raise UnsupportedError(
+          f"{getattr(self.fn, '__name__', 'the step')} is being traced (by jax.jit, jax.grad "
+          "or jax.vmap) before it has a plan for these argument shapes, and jaxremat plans "
+          "and verifies with real arrays: call it once with arrays of these shapes (or "
+          "call its .plan(*args)) before transforming it."
+        )
       self.plans[key] = _make_plan(self.fn, args, kwargs, **self.options)
     return self.plans[key]
 
@@ -121,7 +133,7 @@ def optimize(
   max_replans: int = 3,
   donate_argnums: int | Sequence[int] = (),
   static_argnums: int | Sequence[int] = (),
-  progress: bool = True,
+  progress: bool | Callable[[Progress], None] = True,
   **solver_options: Any,
 ) -> Any:
   """Makes ``fn`` run within ``budget`` bytes of device memory, recomputing the least.
@@ -142,7 +154,8 @@ def optimize(
     max_replans: how many times to tighten the plan when XLA measures it over budget.
     donate_argnums: as for `jax.jit`, for the optimized step.
     static_argnums: arguments that are static (as for `jax.jit`).
-    progress: print the solver's progress to stderr on solves longer than 2 s.
+    progress: print the solver's progress to stderr on solves longer than 2 s; or a
+      callable that receives each `Progress` report instead.
     **solver_options: passed to the solver.
 
   Returns:
@@ -174,6 +187,8 @@ def optimize(
   )
   if max_replans < 0:
     raise ValueError(f"max_replans={max_replans!r} must be a non-negative count.")
+  if fn is not None and not callable(fn):
+    raise TypeError(f"fn={fn!r} is not callable; pass the step function to optimize.")
   if fn is None:
     return lambda f: OptimizedFunction(f, options)
   return OptimizedFunction(fn, options)
@@ -199,8 +214,12 @@ def _signature(args, kwargs, static_argnums) -> Any:
   return tree, tuple(leaf_key(x) for x in leaves)
 
 
-def _progress_printer(enabled: bool) -> Callable[[Progress], None] | None:
+def _progress_printer(
+  enabled: bool | Callable[[Progress], None],
+) -> Callable[[Progress], None] | None:
   """Prints a solve's progress to stderr every 2 s once it has run for 2 s."""
+  if callable(enabled):
+    return enabled
   if not enabled:
     return None
   last = [0.0]
@@ -236,7 +255,19 @@ def _make_plan(
   solver_options,
 ) -> Plan:
   start = time.perf_counter()
+  for i in donate_argnums:
+    if not -len(args) <= i < len(args):
+      raise ValueError(
+        f"donate_argnums contains {i}, but the step was given {len(args)} positional "
+        "arguments; name only positions that exist."
+      )
   program = trace_program(fn, *args, static_argnums=static_argnums, **kwargs)
+  if not any(program.dynamic_mask):
+    raise UnsupportedError(
+      f"{program.graph.name} was called without array inputs (jax.Array, numpy arrays or "
+      "jax.ShapeDtypeStruct), so there is no step memory to plan: pass the parameters and "
+      "the batch as arrays, not Python numbers or static arguments."
+    )
   graph = program.graph
   versions = {name: importlib.metadata.version(name) for name in ("jax", "jaxlib", "jaxremat")}
   key = fingerprint(
@@ -251,8 +282,11 @@ def _make_plan(
   )
   cache = PlanCache(cache_dir) if use_cache else None
   cached = cache.load(key, graph) if cache else None
+  if cached is not None and not _plan_info_ok(cached):
+    logger.warning("jaxremat: the cached plan lacks its budget figures; planning again.")
+    cached = None
   if cached is not None:
-    info = cached.stats.get("optimize", {})
+    info = cached.stats["optimize"]
     compiled = _compile(program, cached, fence, args, kwargs, donate_argnums)
     measured = compiled.peak_bytes
     if measured <= info.get("budget_bytes", -1):
@@ -337,6 +371,14 @@ def _make_plan(
   )
 
 
+def _plan_info_ok(schedule: Schedule) -> bool:
+  """Whether a cached plan carries the figures `_make_plan` stored with it."""
+  info = schedule.stats.get("optimize")
+  return isinstance(info, dict) and all(
+    isinstance(info.get(k), int) for k in ("budget_bytes", "baseline_peak_bytes")
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tried:
   attempt: Attempt
@@ -413,7 +455,10 @@ class _Compiled:
 
 
 def _compile(program, schedule, fence, args, kwargs, donate_argnums) -> _Compiled:
-  emitted = emit(program, schedule, fence=fence)
+  # Pinning every event to the plan's order raised XLA's peak on small training steps,
+  # whose jaxpr order runs the optimizer update worse than XLA's own scheduler
+  # (tests/test_optimize.py); the closed loop fences recomputations only.
+  emitted = emit(program, schedule, fence=fence, pin="recomputations")
   jitted = jax.jit(emitted, donate_argnums=donate_argnums)
   start = time.perf_counter()
   compiled = jitted.lower(*args, **kwargs).compile()

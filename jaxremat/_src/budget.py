@@ -7,6 +7,7 @@ import re
 from fractions import Fraction
 
 from jaxremat._src.errors import BudgetError
+from jaxremat._src.graph import MAX_BYTES
 
 _UNITS = {
   "b": 1,
@@ -22,6 +23,8 @@ _UNITS = {
 _QUANTITY = re.compile(
   r"^\s*([+-]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE
 )
+# No budget is written with more characters than this (2**62 has 19 digits).
+_MAX_TEXT_CHARS = 100
 # A float up to this is a fraction of the baseline peak; above it, an integral float is bytes.
 _MAX_FRACTION = 10.0
 
@@ -49,6 +52,11 @@ def parse_budget(value: BudgetLike, baseline_peak_bytes: int | None = None) -> i
     >>> parse_budget("80%", 1000), parse_budget(0.5, 1000), parse_budget("2KiB")
     (800, 500, 2048)
   """
+  if isinstance(value, str) and len(value) > _MAX_TEXT_CHARS:
+    raise BudgetError(
+      f"budget={value[:20]!r}... is {len(value)} characters long, not a budget; write bytes "
+      "('1000000'), a fraction ('0.8'), a percentage ('80%') or a size ('12GiB')."
+    )
   if isinstance(value, bool):
     raise BudgetError(f"budget={value!r} is a bool; pass bytes (int), a fraction (0.8) or '80%'.")
   if isinstance(value, int):
@@ -108,4 +116,9 @@ def _from_fraction(original, fraction: Fraction, baseline_peak_bytes: int | None
 def _positive_bytes(original, n: int) -> int:
   if n <= 0:
     raise BudgetError(f"budget={original!r} is not a positive number of bytes; pass at least 1.")
+  if n >= MAX_BYTES:
+    raise BudgetError(
+      f"budget={original!r} is 2**62 bytes or more, beyond any device and the solvers' "
+      "64-bit arithmetic; pass the device's memory (e.g. '80GiB')."
+    )
   return n

@@ -1,13 +1,17 @@
 """The `jaxremat` command.
 
 Exit codes: 0 success (a valid schedule), 1 an invalid schedule or file, an infeasible
-budget or a failed solve, 2 a usage error. Errors are one line on stderr, never a traceback.
+budget, a failed solve or a file that cannot be written, 2 a usage error, 3 an internal
+error (a jaxremat bug), 130 interrupted. Errors are one line on stderr, never a traceback
+(set JAXREMAT_TRACEBACK=1 to see the traceback of an internal error).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from collections.abc import Sequence
 
@@ -18,7 +22,9 @@ from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import available_solvers
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+# Options whose values may start with '-' (argparse would take '-5%' for an option).
+_VALUE_OPTIONS = ("--budget", "--time-limit", "--workers")
 
 
 class _UsageError(Exception):
@@ -95,6 +101,39 @@ def _cmd_analyze(args) -> int:
   return EXIT_OK
 
 
+def _positive_seconds(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    value = math.nan
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f"{text!r} is not a positive, finite number of seconds")
+  return value
+
+
+def _positive_count(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+  return value
+
+
+def _join_values(argv: Sequence[str]) -> list[str]:
+  """``--budget -5%`` -> ``--budget=-5%``, so that the value reaches the budget parser."""
+  out: list[str] = []
+  it = iter(argv)
+  for arg in it:
+    if arg in _VALUE_OPTIONS:
+      value = next(it, None)
+      out.append(arg if value is None else f"{arg}={value}")
+    else:
+      out.append(arg)
+  return out
+
+
 def _parser() -> _Parser:
   parser = _Parser(prog="jaxremat", description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -117,8 +156,8 @@ def _parser() -> _Parser:
   p.add_argument("graph", help="a jaxremat.graph/1 file")
   p.add_argument("--budget", required=True, help="bytes, a fraction (0.8), '80%%' or '12GiB'")
   p.add_argument("--solver", default="auto", help="one of: " + ", ".join(available_solvers()))
-  p.add_argument("--time-limit", type=float, default=60.0, help="seconds (default 60)")
-  p.add_argument("--workers", type=int, default=None, help="CPU threads (default: all)")
+  p.add_argument("--time-limit", type=_positive_seconds, default=60.0, help="seconds (default 60)")
+  p.add_argument("--workers", type=_positive_count, default=None, help="CPU threads (default: all)")
   p.add_argument("-o", "--output", help="where to write the jaxremat.schedule/1 file")
   p.set_defaults(run=_cmd_solve)
 
@@ -134,7 +173,9 @@ def _parser() -> _Parser:
     action="append",
     help="a solver (repeatable); one of: " + ", ".join(available_solvers()),
   )
-  p.add_argument("--time-limit", type=float, default=10.0, help="seconds per solve (default 10)")
+  p.add_argument(
+    "--time-limit", type=_positive_seconds, default=10.0, help="seconds per solve (default 10)"
+  )
   p.add_argument("--plot", help="write a PNG: memory timeline and overhead against budget")
   p.add_argument("--json", help="write the table as JSON")
   p.set_defaults(run=_cmd_analyze)
@@ -142,15 +183,18 @@ def _parser() -> _Parser:
   p = sub.add_parser("demo", help="optimize a bundled training step and print the report")
   p.add_argument("--budget", type=float, default=0.5, help="fraction of the no-remat peak (0.5)")
   p.add_argument("--solver", default="auto", help="one of: " + ", ".join(available_solvers()))
-  p.add_argument("--time-limit", type=float, default=15.0, help="seconds for the solver (15)")
+  p.add_argument(
+    "--time-limit", type=_positive_seconds, default=15.0, help="seconds for the solver (15)"
+  )
   p.set_defaults(run=_cmd_demo)
   return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the command line; returns the exit code."""
+  argv = sys.argv[1:] if argv is None else argv
   try:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_join_values(argv))
   except _UsageError as e:
     print(e, file=sys.stderr)
     return EXIT_USAGE
@@ -159,14 +203,30 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     return args.run(args)
   except BudgetError as e:
-    print(f"jaxremat {args.command}: {e}", file=sys.stderr)
-    return EXIT_USAGE
+    return _fail(args, e, EXIT_USAGE)
   except JaxrematError as e:
-    print(f"jaxremat {args.command}: {e}", file=sys.stderr)
-    return EXIT_INVALID
+    return _fail(args, e, EXIT_INVALID)
   except ValueError as e:  # bad option values, e.g. an unknown solver
-    print(f"jaxremat {args.command}: {e}", file=sys.stderr)
-    return EXIT_USAGE
+    return _fail(args, e, EXIT_USAGE)
+  except OSError as e:  # e.g. an output file in a folder that does not exist
+    return _fail(args, f"{e.strerror or e}.", EXIT_INVALID)
+  except KeyboardInterrupt:
+    return _fail(args, "interrupted (files are written whole or not at all).", EXIT_INTERRUPTED)
+  except Exception as e:
+    if os.environ.get("JAXREMAT_TRACEBACK"):
+      raise
+    return _fail(
+      args,
+      f"internal error ({type(e).__name__}: {e}); this is a jaxremat bug: please report it "
+      "with the input (JAXREMAT_TRACEBACK=1 shows the traceback).",
+      EXIT_INTERNAL,
+    )
+
+
+def _fail(args, message: object, code: int) -> int:
+  """Prints ``message`` as one line on stderr and returns ``code``."""
+  print(f"jaxremat {args.command}: {' '.join(str(message).split())}", file=sys.stderr)
+  return code
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ INLINE_PRIMITIVES = frozenset(
   }
 )
 BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Elementwise primitives newer JAX versions emit where older ones emitted several:
+# jax 0.11 writes tanh's derivative `1 - y^2` as one `one_minus_square`.
+NEW_ELEMENTWISE_PRIMITIVES = frozenset({"one_minus_square"})
 
 
 def open_jaxpr(jaxpr: Any) -> tuple[Any, list[Any]]:

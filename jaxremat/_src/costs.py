@@ -17,6 +17,7 @@ import os
 import platform
 import re
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -226,12 +227,18 @@ class CostCache:
     self.path = os.path.join(cache_dir(directory), f"costs-{backend}-{kind}.json")
     self.entries: dict[str, list[Any]] = {}
     self.dirty = False
+    if not os.path.exists(self.path):
+      return
     try:
       data = read_json(self.path)
       if isinstance(data, dict) and data.get("format") == CACHE_FORMAT:
-        self.entries = dict(data.get("entries", {}))
-    except FormatError:
-      pass  # missing or unreadable: start empty, rewrite on save
+        entries = data.get("entries")
+        if not isinstance(entries, dict):
+          raise FormatError(self.path, "entries", "expected a JSON object.")
+        self.entries = entries
+    except FormatError as e:  # damaged: start empty, rewrite it whole on save
+      warnings.warn(f"Ignoring the damaged cost cache {e}", stacklevel=2)
+      self.dirty = True
 
   def save(self) -> None:
     if not self.dirty:
@@ -240,8 +247,8 @@ class CostCache:
     # Merge with what another process may have written meanwhile.
     try:
       data = read_json(self.path)
-      if isinstance(data, dict) and data.get("format") == CACHE_FORMAT:
-        self.entries = {**data.get("entries", {}), **self.entries}
+      if isinstance(data, dict) and isinstance(data.get("entries"), dict):
+        self.entries = {**data["entries"], **self.entries}
     except FormatError:
       pass
     write_json_atomic(self.path, {"format": CACHE_FORMAT, "entries": self.entries})

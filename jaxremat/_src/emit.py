@@ -19,10 +19,18 @@ trigger that is always true, though XLA cannot prove it (`always_true`), makes:
   XLA:GPU and TPU (their barrier expander runs after scheduling), merged on XLA:CPU.
 - ``"none"``: no fence (XLA merges or hoists the recomputation; a control).
 
-Only the operands a run reads from non-input nodes are routed (plus function inputs
-where an equation would otherwise depend on none of them). A node recomputed twice in
-one run starts a new run, and recomputations nobody reads are dropped (XLA would delete
-them). benchmarks/emit.py measures what each fence costs.
+Each equation of a run that reads nothing behind the fence yet gets its smallest operand
+routed (a dot's weights, not its activations), so a select that XLA cannot fuse into its
+reader copies little. The trigger must depend on a function input: XLA folds a predicate
+read from a constant, and then CSE merges the recomputation away. A node recomputed
+twice in one run starts a new run, and recomputations nobody reads are dropped (XLA
+would delete them).
+
+Fences on recomputations alone bound them from below; XLA's memory scheduler still
+orders the first computations and frees as it likes, and on convolutional and
+transformer steps it held 20-80% more than the plan. ``pin="all"`` (the default) also
+fences each first computation on the value computed just before it, which chains the
+whole program in the schedule's order (benchmarks/emit.py measures both).
 """
 
 from __future__ import annotations
@@ -32,17 +40,19 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jaxremat._src import compat
+from jaxremat._src.backends import backend_facts
 from jaxremat._src.errors import UnsupportedError
 from jaxremat._src.schedule import Schedule
 from jaxremat._src.simulate import simulate
 
 FENCES = ("auto", "select", "cond", "cond-branch", "barrier", "none")
+# What is fenced: only recomputations, or every compute event (the schedule's whole order).
+PINS = ("all", "recomputations")
 # Fences that route the run's operands and leave the run itself in the main computation.
 _ROUTING_FENCES = ("cond", "select", "barrier")
 
@@ -50,14 +60,10 @@ _ROUTING_FENCES = ("cond", "select", "barrier")
 def default_fence(backend: str | None = None) -> str:
   """The fence that holds on ``backend`` (default: JAX's default backend).
 
-  XLA:CPU expands `optimization_barrier` before CSE, so a data-dependent fence is needed
-  there: ``"select"``, which held on every schedule of benchmarks/emit.py and stayed
-  closest to the plan's peak on solver schedules with many routed values (``"cond"``
-  copies them all at once). On GPU and TPU the barrier holds and a cond would cost a
-  host round trip.
+  ``"select"`` on CPU, where XLA expands `optimization_barrier` before CSE; ``"barrier"``
+  on GPU and TPU. The reasons and measurements are in `jaxremat._src.backends`.
   """
-  backend = backend or jax.default_backend()
-  return "select" if backend == "cpu" else "barrier"
+  return backend_facts(backend).fence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +84,7 @@ def emit(
   schedule: Schedule,
   *example_args: Any,
   fence: str = "auto",
+  pin: str = "all",
   backend: str | None = None,
   fold: bool = True,
   **example_kwargs: Any,
@@ -91,6 +98,10 @@ def emit(
     *example_args: example positional arguments (only used to trace a function).
     fence: ``"auto"`` (per backend, see `default_fence`) or one of ``"cond"``,
       ``"cond-branch"``, ``"select"``, ``"barrier"``, ``"none"`` (module docstring).
+    pin: ``"all"`` fences every compute event on the one before it, so XLA runs the
+      schedule's order (with the routing fences ``"select"``, ``"cond"``, ``"barrier"``);
+      ``"recomputations"`` fences only recomputations and leaves the order of first
+      computations and frees to XLA.
     backend: the backend ``"auto"`` chooses for (default: JAX's default backend).
     fold: passed to `trace_program` when tracing a function; it must match the graph
       the schedule was planned on.
@@ -99,11 +110,12 @@ def emit(
   Returns:
     A function of the original's arguments, usable under `jax.jit` (also with
     ``donate_argnums``) and `jax.grad` wherever the original is. Its attributes
-    ``program``, ``schedule``, ``fence`` (the one chosen) and ``n_fences`` say what it runs.
+    ``program``, ``schedule``, ``fence`` (the one chosen), ``pin`` and ``n_fences`` say
+    what it runs.
 
   Raises:
-    ValueError: ``fence`` is unknown, or ``schedule`` is not a valid program for the
-      traced graph (the message carries the simulator's reason).
+    ValueError: ``fence`` or ``pin`` is unknown, or ``schedule`` is not a valid program
+      for the traced graph (the message carries the simulator's reason).
     UnsupportedError: the schedule recomputes a node with side effects.
 
   Example:
@@ -116,6 +128,8 @@ def emit(
   """
   if fence not in FENCES:
     raise ValueError(f"fence={fence!r} is not one of {FENCES}; pass 'auto' to choose per backend.")
+  if pin not in PINS:
+    raise ValueError(f"pin={pin!r} is not one of {PINS}; pass 'all' to run the schedule's order.")
   fence = default_fence(backend) if fence == "auto" else fence
   if _is_program(program_or_fn):
     program, fn = program_or_fn, None
@@ -125,7 +139,7 @@ def emit(
     fn = program_or_fn
     # Emitting needs the graph's structure and sizes only, not measured costs.
     program = trace_program(fn, *example_args, fold=fold, costs="shape", **example_kwargs)
-  runs = plan_runs(program, schedule, fence=fence)
+  runs = plan_runs(program, schedule, fence=fence, pin=pin)
 
   def emitted(*args: Any, **kwargs: Any) -> Any:
     return _execute(program, runs, fence, *args, **kwargs)
@@ -133,8 +147,8 @@ def emit(
   if fn is not None:
     functools.update_wrapper(emitted, fn)
   # `verify` reads these to count the planned recomputations.
-  emitted.program, emitted.schedule, emitted.fence = program, schedule, fence
-  emitted.n_fences = 0 if fence == "none" else sum(r.recompute for r in runs)
+  emitted.program, emitted.schedule, emitted.fence, emitted.pin = program, schedule, fence, pin
+  emitted.n_fences = sum(r.trigger is not None for r in runs)
   return emitted
 
 
@@ -207,12 +221,15 @@ def live_computes(program: Any, schedule: Schedule) -> list[tuple[int, bool]]:
   return out
 
 
-def plan_runs(program: Any, schedule: Schedule, *, fence: str = "select") -> tuple[_Run, ...]:
+def plan_runs(
+  program: Any, schedule: Schedule, *, fence: str = "select", pin: str = "all"
+) -> tuple[_Run, ...]:
   """The compute events of ``schedule`` grouped into runs, with what each run's fence needs.
 
   A run is one first computation, or consecutive recomputations. A node recomputed twice
   within a run starts a new run: both copies would read the same fenced values, and
-  XLA would merge them.
+  XLA would merge them. Recomputation runs are fenced; with ``pin="all"`` first
+  computations too (all but those before any value a fence can wait for).
 
   Raises:
     ValueError: as `check_schedule`.
@@ -231,6 +248,7 @@ def plan_runs(program: Any, schedule: Schedule, *, fence: str = "select") -> tup
     else:
       groups.append(([v], recompute))
   eqns = program.jaxpr.jaxpr.eqns
+  varying = _input_dependent(program)
   reads = [_external_reads(program, nodes) for nodes, _ in groups]
   makes = [
     {x for v in nodes for i in program.node_eqns[v] for x in eqns[i].outvars} for nodes, _ in groups
@@ -244,11 +262,22 @@ def plan_runs(program: Any, schedule: Schedule, *, fence: str = "select") -> tup
   runs = []
   for k, (nodes, recompute) in enumerate(groups):
     run = _Run(tuple(nodes), recompute, reads=tuple(reads[k]), results=results[k])
-    if recompute and fence != "none":
-      routed = _routed_vars(program, nodes, producer)
+    trigger = None
+    # A cond per first computation would split the program into branches; cond-branch
+    # fences recomputations only.
+    pinned = pin == "all" and fence in _ROUTING_FENCES
+    if fence != "none" and (recompute or pinned):
+      trigger = _trigger(program, groups[:k], results[:k], varying)
+      if trigger is None and recompute:
+        raise UnsupportedError(
+          f"nothing computed before the recomputation of nodes {nodes} is an array a fence "
+          "can wait for; emit with fence='none' or move the recomputation later."
+        )
+    if trigger is not None:
+      routed = _routed_vars(program, nodes)
       run = dataclasses.replace(
         run,
-        trigger=_trigger(program, groups[:k], results[:k], nodes),
+        trigger=trigger,
         routed=routed if fence in _ROUTING_FENCES else (),
         resident=frozenset(x for x in routed if not _made_by_node(x, producer, program)),
       )
@@ -297,12 +326,14 @@ def _trigger(
   program: Any,
   groups: Sequence[tuple[Sequence[int], bool]],
   results: Sequence[Sequence[Any]],
-  run: Sequence[int],
+  varying: set[Any],
 ) -> Any:
   """The value computed last before ``run`` that a fence can read an exact predicate from.
 
   A first computation leaves all its values in the environment; a recomputation run
-  only its ``results``.
+  only its ``results``. The value must depend on a function input: XLA folds a
+  predicate read from a constant (e.g. the ``N - ddof > 0`` of ``jnp.var``) to true, and
+  then CSE merges the recomputation with the first computation.
   """
   eqns = program.jaxpr.jaxpr.eqns
   for (nodes, recompute), made in zip(reversed(groups), reversed(results)):
@@ -310,15 +341,25 @@ def _trigger(
       candidates = list(reversed(made))
     else:
       candidates = [
-        x for v in reversed(nodes) for i in reversed(program.node_eqns[v]) for x in eqns[i].outvars
+        x
+        for v in reversed(nodes)
+        for i in reversed(program.node_eqns[v])
+        for x in eqns[i].outvars
+        if not isinstance(x, compat.DropVar)  # never in the environment
       ]
     for var in candidates:
-      if _fenceable(var) and np.prod(var.aval.shape, dtype=int) > 0:
+      if var in varying and _fenceable(var) and np.prod(var.aval.shape, dtype=int) > 0:
         return var
-  raise UnsupportedError(
-    f"nothing computed before the recomputation of nodes {list(run)} is an array a fence "
-    "can wait for; emit with fence='none' or move the recomputation later."
-  )
+  return None
+
+
+def _input_dependent(program: Any) -> set[Any]:
+  """Vars whose value depends on a function input (XLA cannot constant-fold them)."""
+  varying = set(program.jaxpr.jaxpr.invars)
+  for eqn in program.jaxpr.jaxpr.eqns:
+    if any(not isinstance(x, compat.Literal) and x in varying for x in eqn.invars):
+      varying.update(eqn.outvars)
+  return varying
 
 
 def _fenceable(var: Any) -> bool:
@@ -338,15 +379,16 @@ def _made_by_node(x: Any, producer: dict, program: Any) -> bool:
   return x in producer and not program.graph.is_input[producer[x]]
 
 
-def _routed_vars(program: Any, run: Sequence[int], producer: dict) -> tuple[Any, ...]:
-  """The values a routing fence must pass so that every recomputed equation waits for it.
+def _routed_vars(program: Any, run: Sequence[int]) -> tuple[Any, ...]:
+  """The values a routing fence must pass so that every equation of ``run`` waits for it.
 
-  Values of non-input nodes are routed. A recomputed equation that would otherwise depend
-  on none of them (it reads only function inputs) gets those inputs routed too, so XLA
-  can neither hoist it nor merge it with the first computation.
+  An equation that reads nothing behind the fence gets its smallest fenceable operand
+  routed (a dot's or convolution's weights rather than its activations): the equation
+  then waits for the trigger and differs from the first computation, so XLA can neither
+  hoist nor merge it, and a fence that XLA cannot fuse into the reader (a `select` before
+  a dot) copies the small value, not the large one.
   """
   eqns = program.jaxpr.jaxpr.eqns
-  is_input = program.graph.is_input
   made: set[Any] = set()  # vars produced inside the run so far
   behind: set[Any] = set()  # vars that depend on the fence
   fenced: dict[Any, None] = {}
@@ -354,16 +396,18 @@ def _routed_vars(program: Any, run: Sequence[int], producer: dict) -> tuple[Any,
     for i in program.node_eqns[v]:
       eqn = eqns[i]
       reads = [x for x in eqn.invars if not isinstance(x, compat.Literal)]
-      outside = [x for x in reads if x not in made]
-      for x in outside:
-        if _fenceable(x) and x in producer and not is_input[producer[x]]:
-          fenced[x] = None
-      if reads and not any(x in fenced or x in behind for x in reads):
-        fenced.update((x, None) for x in outside if _fenceable(x))
+      if not any(x in fenced or x in behind for x in reads):
+        outside = [x for x in reads if x not in made and _fenceable(x)]
+        if outside:
+          fenced[min(outside, key=_var_bytes)] = None
       if any(x in fenced or x in behind for x in reads):
         behind.update(eqn.outvars)
       made.update(eqn.outvars)
   return tuple(fenced)
+
+
+def _var_bytes(x: Any) -> int:
+  return int(np.prod(x.aval.shape, dtype=int)) * np.dtype(x.aval.dtype).itemsize
 
 
 # -- running ---------------------------------------------------------------------------
@@ -377,7 +421,7 @@ def _execute(program: Any, runs: Sequence[_Run], fence: str, *args: Any, **kwarg
   env.update(zip(jaxpr.constvars, closed.consts))
   outer_stack = compat.current_name_stack()
   for run in runs:
-    if not run.recompute or fence == "none":
+    if run.trigger is None:
       _eval_nodes(program, run.nodes, env, outer_stack)
     elif fence in _ROUTING_FENCES:
       routed = apply_fence(fence, env[run.trigger], [env[x] for x in run.routed])
@@ -390,7 +434,9 @@ def _execute(program: Any, runs: Sequence[_Run], fence: str, *args: Any, **kwarg
         if fence == "cond" and x not in run.resident:
           env[x] = value
       _eval_nodes(program, run.nodes, local, outer_stack)
-      env.update((x, local[x]) for x in run.results)
+      # A first computation leaves all its values behind: a later fence may read one.
+      made = run.results if run.recompute else _ordered_outvars(program, run.nodes)
+      env.update((x, local[x]) for x in made)
     else:
       env.update(zip(run.results, _cond_run(program, run, env, outer_stack)))
   return program.unflatten_outputs([_read(env, x) for x in jaxpr.outvars])

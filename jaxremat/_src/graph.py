@@ -13,6 +13,7 @@ import heapq
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,11 @@ from jaxremat._src.errors import FormatError, InfeasibleBudgetError
 GRAPH_FORMAT = "jaxremat.graph/1"
 # Sizes are bytes in a signed 64-bit counter everywhere downstream (CP-SAT, numpy).
 MAX_BYTES = 2**62
+# Files and graphs above these limits are refused before any work that grows with them:
+# no solver plans graphs this large, and reading them would take minutes.
+MAX_NODES = 100_000
+MAX_EDGES = 2_000_000
+MAX_FILE_BYTES = 256 * 2**20
 
 _NODE_KEYS = ("id", "name", "mem", "cost")
 
@@ -150,6 +156,35 @@ class RematGraph:
         f"{self.node_label(self.bottleneck_node)} alone",
       )
 
+  @functools.cached_property
+  def compute_once_nodes(self) -> tuple[int, ...]:
+    """Nodes with side effects (attribute ``effectful``), in ``order``: never recomputed."""
+    return tuple(v for v in self.order if self.nodes[v].attrs.get("effectful"))
+
+  def with_pinned_effects(self) -> RematGraph:
+    """The graph solvers plan on when some nodes must run exactly once, in order.
+
+    Each effectful node's output moves into a new resident input of the same size (its
+    own ``mem`` becomes 0), so that no plan gains memory by recomputing it, and edges
+    chain the effectful nodes in ``order`` so that no plan reorders their effects. A
+    schedule of this graph, with its recomputations of effectful nodes dropped
+    (`jaxremat.schedule.keep_first_copies`), is a schedule of ``self`` whose peak is at
+    most the planned one: the dropped copies' values live within the resident bytes.
+    """
+    once = self.compute_once_nodes
+    nodes = list(self.nodes)
+    inputs = list(self.inputs)
+    for v in once:
+      if self.mem[v]:
+        pin = len(nodes)
+        nodes.append(Node(pin, f"pinned output of {self.nodes[v].name}", self.mem[v], 0.0))
+        inputs.append(pin)
+        nodes[v] = dataclasses.replace(self.nodes[v], mem=0)
+    chain = tuple(zip(once, once[1:]))
+    return dataclasses.replace(
+      self, nodes=tuple(nodes), edges=self.edges + chain, inputs=tuple(inputs)
+    )
+
   def node_label(self, v: int) -> str:
     """``"#12 'dot_general @ model.py:41'"``: how errors and reports name a node."""
     return f"#{v} {self.nodes[v].name!r}"
@@ -184,10 +219,19 @@ class RematGraph:
     if data.get("format") != GRAPH_FORMAT:
       raise FormatError(source, "format", f"expected {GRAPH_FORMAT!r}, got {data.get('format')!r}.")
     raw_nodes = _get_list(data, "nodes", source)
+    raw_edges = _get_list(data, "edges", source)
+    for key, items, limit in (("nodes", raw_nodes, MAX_NODES), ("edges", raw_edges, MAX_EDGES)):
+      if len(items) > limit:
+        raise FormatError(
+          source,
+          key,
+          f"has {len(items)} entries, more than the {limit} jaxremat plans; split the "
+          "program (e.g. plan one layer or one scan body) or coarsen the graph.",
+        )
     nodes = tuple(_parse_node(i, raw, source) for i, raw in enumerate(raw_nodes))
     n = len(nodes)
     edges = []
-    for k, e in enumerate(_get_list(data, "edges", source)):
+    for k, e in enumerate(raw_edges):
       if not (isinstance(e, list) and len(e) == 2 and all(_is_int(x) for x in e)):
         raise FormatError(source, f"edges[{k}]", f"expected a pair [u, v] of node ids, got {e!r}.")
       for x in e:
@@ -204,7 +248,7 @@ class RematGraph:
       raise FormatError(source, "meta", f"expected a JSON object, got {type(meta).__name__}.")
     order = data.get("order")
     if order is None:
-      order = topological_order(n, edges, set(inputs))
+      order = topological_order(n, edges, set(inputs), source=source)
     else:
       order = _parse_ids(data, "order", n, source, required=True)
     try:
@@ -317,6 +361,15 @@ def _validate(g: RematGraph, source: str) -> None:
         source, f"nodes[{i}].id", f"ids must equal the node's index {i}, got {node.id!r}."
       )
     _check_node_values(node, source)
+  # Per-node bounds do not bound the sums that peaks and durations are made of.
+  if sum(node.mem for node in g.nodes) >= MAX_BYTES:
+    raise FormatError(
+      source, "nodes", "the sizes (mem) add up to 2**62 bytes or more; sizes are bytes of one step."
+    )
+  if not math.isfinite(sum(node.cost for node in g.nodes)):
+    raise FormatError(
+      source, "nodes", "the costs add up to more than a float can hold; rescale them."
+    )
   inputs = set(g.inputs)
   if len(inputs) != len(g.inputs):
     raise FormatError(source, "inputs", "lists a node more than once.")
@@ -397,6 +450,13 @@ def read_text(path: str | os.PathLike, expected: str = "a JSON file") -> str:
   """Reads a UTF-8 text file, turning every failure into a `FormatError` naming the file."""
   source = os.fspath(path)
   try:
+    if os.path.getsize(path) > MAX_FILE_BYTES:
+      raise FormatError(
+        source,
+        "",
+        f"is {os.path.getsize(path)} bytes, more than the {MAX_FILE_BYTES // 2**20} MiB "
+        f"jaxremat reads; expected {expected}.",
+      )
     with open(path, encoding="utf-8") as f:
       return f.read()
   except OSError as e:
@@ -413,7 +473,13 @@ def parse_json(text: str, source: str) -> Any:
     raise FormatError(
       source, f"line {e.lineno} column {e.colno}", f"is not valid JSON: {e.msg}."
     ) from None
-  except (ValueError, RecursionError) as e:
+  except RecursionError:
+    raise FormatError(source, "", "is nested too deeply to be a graph, schedule or plan.") from None
+  except ValueError as e:
+    if "integer string conversion" in str(e):
+      raise FormatError(
+        source, "", f"holds an integer of more than {sys.get_int_max_str_digits()} digits."
+      ) from None
     raise FormatError(source, "", f"is not valid JSON: {e}.") from None
 
 
@@ -436,6 +502,8 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
       json.dump(data, f, separators=(",", ":"), allow_nan=False)
       f.write("\n")
     os.replace(tmp, path)
+  except OSError as e:  # name the file the caller asked for, not the temporary one
+    raise OSError(e.errno, f"cannot write {path}: {e.strerror}", path) from None
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)

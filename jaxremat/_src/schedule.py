@@ -144,3 +144,24 @@ def schedule_from_computes(
     events.append(("compute", v))
     events.extend(("free", u) for u in sorted(frees_after.get(pos, ())))
   return Schedule(tuple(events), graph.name, budget, solver, dict(stats or {}))
+
+
+def keep_first_copies(graph: RematGraph, schedule: Schedule, nodes: Sequence[int]) -> Schedule:
+  """``schedule`` without recomputations of ``nodes``: their first copy lives to its last use.
+
+  Used for nodes with side effects, which must run exactly as often as in the program.
+  Returns ``schedule`` itself when it recomputes none of them.
+  """
+  once = set(nodes)
+  computes = schedule.computes
+  if all(computes.count(v) <= 1 for v in once):
+    return schedule
+  seen: set[int] = set()
+  kept = []
+  for v in computes:
+    if v not in once or v not in seen:
+      kept.append(v)
+    seen.add(v)
+  return schedule_from_computes(
+    graph, kept, solver=schedule.solver, budget=schedule.budget, stats=schedule.stats
+  )

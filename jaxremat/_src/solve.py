@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any
 
 from jaxremat._src.budget import BudgetLike, parse_budget
-from jaxremat._src.errors import SolverError
+from jaxremat._src.errors import InfeasibleBudgetError, NoScheduleFoundError, SolverError
 from jaxremat._src.graph import RematGraph
-from jaxremat._src.schedule import Schedule
+from jaxremat._src.schedule import Schedule, keep_first_copies
 from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solvers.base import ProgressCallback, get_solver
 
@@ -59,21 +60,40 @@ def solve(
     >>> jaxremat.solve(g, 1.0, solver="noremat").stats["peak_bytes"]
     6
   """
+  if not isinstance(graph, RematGraph):
+    raise TypeError(
+      f"graph must be a jaxremat.RematGraph, got {type(graph).__name__}; load a file with "
+      "RematGraph.load(path) or trace a function with jaxremat.trace."
+    )
   baseline = simulate(graph, baseline_schedule(graph))
   budget_bytes = parse_budget(budget, baseline.peak_bytes)
   graph.require_feasible(budget_bytes)
-  if time_limit <= 0:
-    raise ValueError(f"time_limit={time_limit!r} must be a positive number of seconds.")
+  if not (isinstance(time_limit, (int, float)) and 0 < time_limit < math.inf):
+    raise ValueError(f"time_limit={time_limit!r} must be a positive, finite number of seconds.")
+  if workers is not None and not (isinstance(workers, int) and workers >= 1):
+    raise ValueError(f"workers={workers!r} must be a positive count of threads, or None for all.")
   workers = workers or os.cpu_count() or 1
+  once = graph.compute_once_nodes
   start = time.perf_counter()
-  schedule = get_solver(solver)(
-    graph,
-    budget_bytes,
-    time_limit_s=float(time_limit),
-    workers=workers,
-    progress=progress,
-    **options,
-  )
+  try:
+    schedule = get_solver(solver)(
+      graph.with_pinned_effects() if once else graph,
+      budget_bytes,
+      time_limit_s=float(time_limit),
+      workers=workers,
+      progress=progress,
+      **options,
+    )
+  except InfeasibleBudgetError as e:
+    if not once:
+      raise
+    # The pinned graph overstates memory, so its bound proves nothing about `graph`.
+    raise NoScheduleFoundError(
+      f"solver {solver!r} found no schedule within budget={budget_bytes} bytes that runs "
+      f"the {len(once)} effectful node(s) (e.g. {graph.node_label(once[0])}) once each, "
+      f"with their outputs kept for the whole step ({e.reason or e}); raise the budget."
+    ) from None
+  schedule = keep_first_copies(graph, schedule, once)
   solve_time_s = time.perf_counter() - start
   check = simulate(graph, schedule)
   if not check.valid:

@@ -64,7 +64,19 @@ class Program:
         f"The arguments have structure {tree}, but the function was traced with "
         f"{self.arg_tree}; call it with arguments of the traced structure."
       )
-    return [x for x, dyn in zip(leaves, self.dynamic_mask, strict=True) if dyn]
+    dynamic = [x for x, dyn in zip(leaves, self.dynamic_mask, strict=True) if dyn]
+    for k, (x, var) in enumerate(zip(dynamic, self.jaxpr.jaxpr.invars, strict=True)):
+      # A jaxpr evaluated on other shapes or dtypes may broadcast or cast silently.
+      shape, dtype = np.shape(x), getattr(x, "dtype", None)
+      if dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        dtype = jax.dtypes.canonicalize_dtype(dtype)
+      if shape != var.aval.shape or dtype != var.aval.dtype:
+        raise ValueError(
+          f"Argument {self.graph.nodes[k].name} has shape {shape} and dtype {dtype}, but "
+          f"the function was traced with shape {var.aval.shape} and dtype {var.aval.dtype}; "
+          "trace it again for these arguments (jaxremat.optimize plans per shape and dtype)."
+        )
+    return dynamic
 
   def unflatten_outputs(self, flat_outputs: Sequence[Any]) -> Any:
     """The function's output pytree from the values of the jaxpr outvars."""
@@ -106,7 +118,8 @@ def trace_program(
     workspace: give each equation that XLA runs with scratch buffers (transposed
       operand copies of dots and convolutions, `workspace_bytes`) a scratch node
       read only by it: no equations, no values, live only while that node computes.
-      Off by default: the graph then has no equation-less non-input nodes.
+      Off by default: the graph then has no equation-less non-input nodes, and
+      `xla_accounted_peak_bytes` counts the scratch at each node's compute event.
     static_argnums: positions of arguments to treat as static.
     static_argnames: names of keyword arguments to treat as static.
     name: the graph's name (default: the function's name).
@@ -196,7 +209,7 @@ def trace(fn: Callable, *args, **kwargs) -> RematGraph:
 
   Example:
     >>> import jax.numpy as jnp, jaxremat
-    >>> g = jaxremat.trace(lambda x: (x @ x).sum(), jnp.ones((8, 8)), costs="shape")
+    >>> g = jaxremat.trace(lambda x: jnp.tanh(x @ x) @ x, jnp.ones((8, 8)), costs="shape")
     >>> g.n, len(g.inputs), g.mem[g.order[0]]
     (3, 1, 256)
   """
@@ -421,6 +434,7 @@ FUSIBLE_PRIMITIVES = frozenset(
     "population_count",
     "clz",
     "conj",
+    *compat.NEW_ELEMENTWISE_PRIMITIVES,
   }
 )
 # Consumers whose fusion can absorb fusible producers (loop and input fusion on XLA:CPU).
@@ -493,7 +507,9 @@ def _duplicable(eqn: Any) -> bool:
   return True
 
 
-def _group_equations(jaxpr: Any, fold: bool) -> tuple[list[list[int]], set[int]]:
+def _group_equations(
+  jaxpr: Any, fold: bool
+) -> tuple[list[list[int]], set[int], set[int], dict[Any, int]]:
   """Groups equation indices into nodes; each group's last equation is its root.
 
   Folding runs from the end: a fusible, effect-free equation whose outputs are all
@@ -501,6 +517,10 @@ def _group_equations(jaxpr: Any, fold: bool) -> tuple[list[list[int]], set[int]]
   joins that group. A cheap one read by several such groups stays a group of its own
   that XLA duplicates into each reader (returned in the second set: its value is
   never materialized). Every edge then runs from an earlier root to a later one.
+
+  Returns the groups, the duplicated groups, the dot groups fused into their readers
+  (`_dot_epilogues`, a subset of neither) and the values XLA keeps at a larger size
+  than their aval (`_materialized_divisors`: var -> bytes).
   """
   eqns = jaxpr.eqns
   readers: dict[Any, list[int]] = {}
@@ -539,7 +559,14 @@ def _group_equations(jaxpr: Any, fold: bool) -> tuple[list[list[int]], set[int]]
   dup_roots = {max(groups[g]) for g in duplicated}
   if fold:
     out = _merge_in_place(jaxpr, out, readers, outvars, dup_roots)
-  return out, {i for i, g in enumerate(out) if g[-1] in dup_roots}
+  dup = {i for i, g in enumerate(out) if g[-1] in dup_roots}
+  epilogues: set[int] = set()
+  materialized: dict[Any, int] = {}
+  if fold:
+    dup |= _input_free(jaxpr, out, outvars)
+    epilogues = _dot_epilogues(jaxpr, out, readers, outvars, dup)
+    materialized = _materialized_divisors(jaxpr, out, epilogues)
+  return out, dup, epilogues, materialized
 
 
 # Roots whose output XLA may write into the buffer of a same-shape operand that dies there.
@@ -632,6 +659,155 @@ def _merge_in_place(
   return [m for m in members if m is not None]
 
 
+def _input_free(jaxpr: Any, groups: list[list[int]], outvars: set[Any]) -> set[int]:
+  """Fusible groups that depend on no function input (iota, broadcast literals, masks).
+
+  Such a value is a constant of the program; XLA does not keep it but computes it
+  inside each fusion that reads it (a causal mask from two iotas and a compare), so
+  it is treated like a duplicated value. Groups come in root order, so a group's
+  producers are decided before it.
+  """
+  group_of = {k: gi for gi, g in enumerate(groups) for k in g}
+  producer = {v: group_of[k] for k, e in enumerate(jaxpr.eqns) for v in e.outvars}
+  found: set[int] = set()
+  for gi, g in enumerate(groups):
+    eqns = [jaxpr.eqns[k] for k in g]
+    if any(v in outvars for e in eqns for v in e.outvars):
+      continue
+    if all(
+      e.primitive.name in FUSIBLE_PRIMITIVES
+      and not e.effects
+      and all(
+        isinstance(v, compat.Literal) or producer.get(v) == gi or producer.get(v) in found
+        for v in e.invars
+      )
+      for e in eqns
+    ):
+      found.add(gi)
+  return found
+
+
+def _dot_epilogues(
+  jaxpr: Any,
+  groups: list[list[int]],
+  readers: dict[Any, list[int]],
+  outvars: set[Any],
+  duplicated: set[int],
+) -> set[int]:
+  """Groups whose root is a dot XLA:CPU fuses with all of its readers (an epilogue).
+
+  XLA:CPU's dot fusions (XNNPACK, ``__ynn_fusion`` in the optimized HLO) absorb the
+  elementwise and reduce equations that consume the dot's output, so the output is
+  never materialized, e.g. the softmax gradient ``p * (g - sum(g * p))`` around the
+  ``g @ v^T`` of attention. This holds when every reader of the dot's only exported
+  value is such an equation and all their other operands are ready when the dot runs
+  (made before it or by another reader): a reader that waits for a later value (the
+  GELU gradient reading a forward dot output) is a separate fusion, and the dot's output
+  stays. The returned groups keep no bytes, like duplicated ones: the dot's operands
+  stay live until its last reader, so the readers must also run right after the dot,
+  up to groups that could run before it (an optimizer update of a weight gradient,
+  late in a training step, does not).
+  """
+  eqns = jaxpr.eqns
+  group_of = {k: gi for gi, g in enumerate(groups) for k in g}
+  producer = {v: group_of[k] for k, e in enumerate(eqns) for v in e.outvars}
+  found = set()
+  for gi, g in enumerate(groups):
+    root = eqns[g[-1]]
+    if gi in duplicated or root.primitive.name != "dot_general" or len(root.outvars) != 1:
+      continue
+    out = root.outvars[0]
+    if out in outvars or not readers.get(out):
+      continue
+    members = set(g)
+    exported = [
+      v
+      for k in g
+      for v in eqns[k].outvars
+      if v in outvars or any(r not in members for r in readers.get(v, ()))
+    ]
+    if exported != [out]:
+      continue
+    # The cluster: the readers and any later fusible group they read (e.g. the negated
+    # row sum); everything else they read must be made before the dot.
+    cluster = {group_of[r] for r in readers[out]}
+    todo, ok = list(cluster), True
+    while todo and ok:
+      r = todo.pop()
+      for k in groups[r]:
+        e = eqns[k]
+        if e.effects or e.primitive.name not in FUSING_CONSUMERS:
+          ok = False
+        for v in e.invars:
+          if isinstance(v, compat.Literal) or v not in producer:
+            continue  # literals and graph inputs are ready
+          q = producer[v]
+          if q > gi and q not in cluster:
+            cluster.add(q)
+            todo.append(q)
+    # A duplicated value in the cluster is computed inside the fusion of each of its
+    # readers: they must all be in the cluster too.
+    for r in cluster & duplicated:
+      made = [v for k in groups[r] for v in eqns[k].outvars]
+      if any(group_of[k] not in cluster for v in made for k in readers.get(v, ())):
+        ok = False
+    # The groups between the dot and its last reader must be able to run before the dot
+    # (read nothing made after it), as XLA's scheduler may order them.
+    before = set()
+    for j in range(gi + 1, max(cluster) if ok else gi):
+      if j in cluster:
+        continue
+      made_after = (
+        producer[v]
+        for k in groups[j]
+        for v in eqns[k].invars
+        if not isinstance(v, compat.Literal) and v in producer
+      )
+      if any(q >= gi and q not in before and q != j for q in made_after):
+        ok = False
+        break
+      before.add(j)
+    if ok:
+      found.add(gi)
+  return found
+
+
+def _materialized_divisors(
+  jaxpr: Any, groups: list[list[int]], epilogue_dots: set[int]
+) -> dict[Any, int]:
+  """Divisors XLA:CPU keeps broadcast to the full shape: var -> bytes of the broadcast.
+
+  XLA's algebraic simplifier turns ``x / broadcast(s)`` into ``x * broadcast(1 / s)``
+  and CSE makes the forward and backward divisions by ``s`` (softmax and its gradient)
+  share one broadcast. A dot fusion (see `_dot_epilogues`) does not duplicate a producer
+  that has other users, so when one of the divisions is in a dot's epilogue the
+  broadcast reciprocal is materialized at the quotient's shape and lives as long as
+  ``s`` does (2 MiB per attention layer of examples/gpt.py, where the jaxpr keeps only
+  the ``[B, H, T, 1]`` sum). A divisor is "broadcast" here when the division broadcasts
+  it implicitly (size-1 dimensions), as ``jax.nn.softmax`` emits it.
+  """
+  eqns = jaxpr.eqns
+  group_of = {k: gi for gi, g in enumerate(groups) for k in g}
+  dot_out = {eqns[groups[g][-1]].outvars[0] for g in epilogue_dots}
+  divisions: dict[Any, list[Any]] = {}
+  for k, e in enumerate(eqns):
+    if e.primitive.name != "div" or isinstance(e.invars[1], compat.Literal):
+      continue
+    d, out = e.invars[1], e.outvars[0]
+    if (
+      getattr(d.aval, "shape", ()) != getattr(out.aval, "shape", ())
+      and d.aval.ndim == out.aval.ndim
+    ):
+      divisions.setdefault(d, []).append((k, e))
+  found = {}
+  for d, uses in divisions.items():
+    in_epilogue = any(e.invars[0] in dot_out for _, e in uses)
+    if in_epilogue and len({group_of[k] for k, _ in uses}) >= 2:
+      full = max(compat.aval_bytes(e.outvars[0].aval) for _, e in uses)
+      found[d] = max(full, compat.aval_bytes(d.aval))
+  return found
+
+
 # -- building the graph --------------------------------------------------------------------
 
 
@@ -657,7 +833,7 @@ def build_program(
   """
   jaxpr = closed.jaxpr
   n_in = len(jaxpr.invars) + len(jaxpr.constvars)
-  groups, duplicated = _group_equations(jaxpr, fold)
+  groups, duplicated, epilogues, materialized = _group_equations(jaxpr, fold)
   producer: dict[Any, int] = {}
   for i, v in enumerate([*jaxpr.invars, *jaxpr.constvars]):
     producer[v] = i
@@ -681,7 +857,7 @@ def build_program(
           exported[u].add(v)
   # XLA recomputes a duplicated value inside each reader's fusion: its operands, not
   # the value, stay live until the last reader.
-  for d in duplicated:
+  for d in duplicated | epilogues:
     d_node = n_in + d
     sources = [u for u, w in edges if w == d_node]
     sinks = [w for u, w in edges if u == d_node]
@@ -719,8 +895,19 @@ def build_program(
         node_outvars[n_in + g],
         [eqn_costs[k] for k in eqn_ids],
         g in duplicated,
+        g in epilogues,
+        materialized,
       )
     )
+  iotas, indices, hoisted = _pool_gradient_buffers(jaxpr, groups)
+  for g, extra in iotas.items():
+    node = nodes[n_in + g]
+    scratch = node.attrs.get("workspace_bytes", 0) + indices[g]
+    attrs = {**node.attrs, "constant_bytes": extra, "workspace_bytes": scratch}
+    nodes[n_in + g] = dataclasses.replace(node, attrs=attrs)
+  for g in hoisted:
+    node = nodes[n_in + g]
+    nodes[n_in + g] = dataclasses.replace(node, attrs={**node.attrs, "allocated_at_start": True})
   node_eqns = [() for _ in range(n_in)] + [tuple(g) for g in groups]
   if workspace:
     nodes, edges, outputs, node_eqns, node_outvars = _add_workspace_nodes(
@@ -820,13 +1007,17 @@ def _eqn_node(
   outvars: Sequence[Any],
   eqn_costs: list[Any],
   duplicated: bool,
+  epilogue: bool,
+  materialized: dict[Any, int],
 ) -> Node:
   root = eqns[-1]
   prim = root.primitive.name
   source = compat.eqn_source(root)
   stack = compat.name_stack_str(root)
-  # A duplicated value lives only inside its readers' fusions: XLA keeps nothing.
-  out_bytes = 0 if duplicated else sum(compat.aval_bytes(v.aval) for v in outvars)
+  # A duplicated value (or a dot fused into its readers) lives only inside its readers'
+  # fusions: XLA keeps nothing.
+  kept = sum(materialized.get(v, compat.aval_bytes(v.aval)) for v in outvars)
+  out_bytes = 0 if duplicated or epilogue else kept
   workspace = sum(workspace_bytes(e) for e in eqns)
   attrs: dict[str, Any] = {
     "primitive": prim,
@@ -845,6 +1036,10 @@ def _eqn_node(
     attrs["workspace_bytes"] = workspace
   if duplicated:
     attrs["duplicated"] = True
+  if epilogue:
+    attrs["epilogue"] = True
+  if kept != sum(compat.aval_bytes(v.aval) for v in outvars):
+    attrs["materialized_bytes"] = kept
   if any(e.effects for e in eqns):
     attrs["effectful"] = True
   if prim in HIGHER_ORDER_PRIMITIVES:
@@ -903,6 +1098,45 @@ def workspace_bytes(eqn: Any) -> int:
   return 0
 
 
+def _pool_gradient_buffers(
+  jaxpr: Any, groups: list[list[int]]
+) -> tuple[dict[int, int], dict[int, int], set[int]]:
+  """Buffers XLA:CPU makes at the program start for the gradients of max pools.
+
+  XLA:CPU lowers ``select_and_scatter_add`` (a max pool's gradient) to a variadic
+  reduce-window, run with the forward pool, that carries the argmax position (one s32
+  iota of the pooled operand's shape per dimension as operands), and a scatter that
+  adds into a zero-filled buffer of the operand's shape in place. The iotas and the
+  zeros have no non-constant operands, so XLA's scheduler makes them at the start of
+  the program: the iotas live until the forward pool, the zeros until the scatter,
+  whose output they become (examples/vgg16.py: 30 MiB of iotas, 8 MiB of zeros).
+
+  The pool also writes the argmax (one s32 per output element and dimension) while its
+  operand is live; later the argmax stands in for the operand, which the graph keeps
+  for the scatter (the same bytes for a 2x2, stride-2 pool of a rank-4 operand), so it
+  is scratch of the pool node.
+
+  Returns, per group of a forward ``reduce_window_max`` whose operand a
+  ``select_and_scatter_add`` reads, the iota bytes and the argmax bytes, and the
+  groups of those scatters.
+  """
+  eqns = jaxpr.eqns
+  scattered = {e.invars[1] for e in eqns if e.primitive.name == "select_and_scatter_add"}
+  iotas: dict[int, int] = {}
+  indices: dict[int, int] = {}
+  hoisted = set()
+  for gi, g in enumerate(groups):
+    for k in g:
+      e = eqns[k]
+      if e.primitive.name == "select_and_scatter_add":
+        hoisted.add(gi)
+      if e.primitive.name == "reduce_window_max" and e.invars[0] in scattered:
+        aval, out = e.invars[0].aval, e.outvars[0].aval
+        iotas[gi] = iotas.get(gi, 0) + aval.ndim * math.prod(aval.shape) * 4
+        indices[gi] = indices.get(gi, 0) + aval.ndim * math.prod(out.shape) * 4
+  return iotas, indices, hoisted
+
+
 def _dot_operand_canonical(ndim: int, batch: Sequence[int], contract: Sequence[int]) -> bool:
   nb, nc = len(batch), len(contract)
   if tuple(batch) != tuple(range(nb)):
@@ -932,7 +1166,11 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None) -> int:
   XLA allocates the output buffers before the program runs and keeps them to the end,
   so its figure (argument + output + temp - alias) charges every output from the
   start. This is the simulated memory at each compute event plus the outputs that are
-  not computed yet.
+  not computed yet, plus the scratch XLA allocates while that node runs (its
+  ``workspace_bytes``, unless the graph already has scratch nodes for them), plus the
+  constants XLA computes at the start for nodes not computed yet (``constant_bytes``)
+  and the buffers it allocates at the start (``allocated_at_start``), both from
+  `_pool_gradient_buffers`.
   """
   from jaxremat._src.simulate import baseline_schedule, simulate
 
@@ -940,14 +1178,27 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None) -> int:
   result = simulate(graph, schedule)
   if not result.valid:
     raise ValueError(f"The schedule is invalid for graph {graph.name!r}: {result.error}")
+  # Outputs, and buffers XLA allocates at the start (`_pool_gradient_buffers`), count
+  # from the start until their node computes them.
   pending = {v for v in graph.outputs if not graph.is_input[v]}
+  pending |= {v for v in graph.order if graph.nodes[v].attrs.get("allocated_at_start")}
   pending_bytes = sum(graph.mem[v] for v in pending)
-  peak = graph.resident_bytes + pending_bytes
+  with_nodes = graph.meta.get("workspace", False)
+  early = {
+    v: n.attrs["constant_bytes"] for v, n in enumerate(graph.nodes) if "constant_bytes" in n.attrs
+  }
+  early_bytes = sum(early.values())
+
+  def scratch(v: int) -> int:
+    return 0 if with_nodes else int(graph.nodes[v].attrs.get("workspace_bytes", 0))
+
+  peak = graph.resident_bytes + pending_bytes + early_bytes
   for (kind, v), after in zip(schedule.events, result.timeline_bytes, strict=True):
     if kind != "compute":
       continue
     if v in pending:
       pending.discard(v)
       pending_bytes -= graph.mem[v]
-    peak = max(peak, after + pending_bytes)
+    peak = max(peak, after + pending_bytes + early_bytes + scratch(v))
+    early_bytes -= early.pop(v, 0)
   return peak

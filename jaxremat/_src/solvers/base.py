@@ -60,6 +60,8 @@ class Solver(Protocol):
 _REGISTRY: dict[str, str] = {
   "noremat": "jaxremat._src.solvers.noremat:solve_noremat",
   "auto": "jaxremat._src.solvers.auto:solve_auto",
+  "cover": "jaxremat._src.solvers.cover:solve_cover",
+  "cover-staged": "jaxremat._src.solvers.cover:solve_cover_staged",
   "chen-greedy": "jaxremat._src.solvers.chen:solve_chen_greedy",
   "chen-greedy-ap": "jaxremat._src.solvers.chen:solve_chen_greedy_ap",
   "chen-sqrtn": "jaxremat._src.solvers.chen:solve_chen_sqrtn",

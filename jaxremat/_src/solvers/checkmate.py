@@ -90,12 +90,26 @@ def _build(
   def boolean(name: str):
     return solver.BoolVar(name) if integer else solver.NumVar(0.0, 1.0, name)
 
+  def check_clock(t: int) -> None:
+    if clock.elapsed_s() > time_limit_s:
+      raise NoScheduleFoundError(
+        f"building the Checkmate program of graph {graph.name!r} ({n} nodes, O(n^2) "
+        f"variables) outlasted time_limit_s={time_limit_s:g} at stage {t} of {n}; raise the "
+        "time limit or use solver='moccasin', whose model grows as O(n)."
+      )
+
+  # Variables and objective stage by stage, so that the clock is checked while they grow.
   R, S = {}, {}
+  objective = solver.Objective()
   for t in range(n):
+    check_clock(t)
     for i in range(t):
       R[t, i] = boolean(f"R{t}_{i}")
       S[t, i] = boolean(f"S{t}_{i}")
+      objective.SetCoefficient(R[t, i], int_costs[order[i]])
     R[t, t] = 1  # the frontier advances: stage t computes node t
+    objective.SetOffset(objective.offset() + int_costs[order[t]])
+  objective.SetMinimization()
 
   def retained(t: int, i: int):
     """S[t, i], with S[n, i] fixed: only outputs are in memory at the end."""
@@ -103,21 +117,8 @@ def _build(
       return 1 if i in outputs else 0
     return S[t, i] if i < t else 0
 
-  objective = solver.Objective()
-  for (_t, i), r in R.items():
-    if isinstance(r, int):
-      objective.SetOffset(objective.offset() + int_costs[order[i]])
-    else:
-      objective.SetCoefficient(r, int_costs[order[i]])
-  objective.SetMinimization()
-
   for t in range(n):
-    if clock.elapsed_s() > time_limit_s:
-      raise NoScheduleFoundError(
-        f"building the Checkmate program of graph {graph.name!r} ({n} nodes, O(n^2) "
-        f"variables) outlasted time_limit_s={time_limit_s:g} at stage {t} of {n}; raise the "
-        "time limit or use solver='moccasin', whose model grows as O(n)."
-      )
+    check_clock(t)
     for k in range(t + 1):
       # A compute needs each input in memory or computed earlier in the stage.
       for i in deps[k]:
@@ -213,7 +214,7 @@ def solve_checkmate(
   if status == pywraplp.Solver.INFEASIBLE:
     raise InfeasibleBudgetError(
       budget_bytes,
-      graph.min_feasible_bytes,
+      max(graph.min_feasible_bytes, budget_bytes + 1),  # proved: nothing within the budget
       f"the {solver.backend_name} backend proved the Checkmate MILP infeasible for the "
       "input order; a free order (moccasin, order='free') may still fit",
     )
@@ -348,7 +349,7 @@ def solve_checkmate_lp(
       if eps == 0 and status == pywraplp.Solver.INFEASIBLE:
         raise InfeasibleBudgetError(
           budget_bytes,
-          graph.min_feasible_bytes,
+          max(graph.min_feasible_bytes, budget_bytes + 1),  # proved: nothing within the budget
           "the LP relaxation of the Checkmate model is infeasible for the input order",
         )
       tried.append({"epsilon": eps, "lp_status": int(status)})

@@ -25,6 +25,7 @@ References:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 import networkx as nx
@@ -99,10 +100,13 @@ def _candidates_run(
   order: Sequence[int],
   checkpoint_sets: Sequence[frozenset[int]],
   solver: str,
+  deadline: float = math.inf,
 ) -> list[tuple[Schedule, SimulationResult]]:
   forward = forward_nodes(graph)
   out = []
   for checkpoints in dict.fromkeys(checkpoint_sets):
+    if time.perf_counter() > deadline:
+      break  # the time limit: the sets tried so far compete
     try:
       computes = segment_computes(graph, order, set(checkpoints), forward)
     except SequenceTooLongError:
@@ -136,7 +140,16 @@ def greedy_checkpoints(
   return frozenset(chosen)
 
 
-def _solve(graph: RematGraph, budget_bytes: int, solver: str, rule: str, variant: str, order):
+def _solve(
+  graph: RematGraph,
+  budget_bytes: int,
+  solver: str,
+  rule: str,
+  variant: str,
+  order,
+  time_limit_s: float,
+):
+  deadline = time.perf_counter() + time_limit_s
   order = resolve_order(graph, order)
   candidates = checkpoint_candidates(graph, order, variant)
   if rule == "sqrtn":
@@ -154,32 +167,41 @@ def _solve(graph: RematGraph, budget_bytes: int, solver: str, rule: str, variant
     budgets = [smallest * ratio**k for k in range(_SEGMENT_BUDGET_STEPS + 1)]
     sets = [greedy_checkpoints(graph, candidates, order, b) for b in budgets]
     what = f"{len(set(sets))} segment budgets over {len(candidates)} {variant} candidates"
-  return pick_best(_candidates_run(graph, order, sets, solver), budget_bytes, solver, what)
+  candidates = _candidates_run(graph, order, sets, solver, deadline)
+  return pick_best(candidates, budget_bytes, solver, what)
 
 
-def solve_chen_sqrtn(graph: RematGraph, budget_bytes: int, *, order=None, **_) -> Schedule:
+def solve_chen_sqrtn(
+  graph: RematGraph, budget_bytes: int, *, order=None, time_limit_s: float = 60.0, **_
+) -> Schedule:
   """Chen's sqrt(n) checkpoints over the linearized forward order (spacing searched).
 
   Raises:
     NoScheduleFoundError: no spacing meets the budget.
   """
-  return _solve(graph, budget_bytes, "chen-sqrtn", "sqrtn", "linearized", order)
+  return _solve(graph, budget_bytes, "chen-sqrtn", "sqrtn", "linearized", order, time_limit_s)
 
 
-def solve_chen_sqrtn_ap(graph: RematGraph, budget_bytes: int, *, order=None, **_) -> Schedule:
+def solve_chen_sqrtn_ap(
+  graph: RematGraph, budget_bytes: int, *, order=None, time_limit_s: float = 60.0, **_
+) -> Schedule:
   """Chen's sqrt(n) checkpoints restricted to articulation points (spacing searched)."""
-  return _solve(graph, budget_bytes, "chen-sqrtn-ap", "sqrtn", "ap", order)
+  return _solve(graph, budget_bytes, "chen-sqrtn-ap", "sqrtn", "ap", order, time_limit_s)
 
 
-def solve_chen_greedy(graph: RematGraph, budget_bytes: int, *, order=None, **_) -> Schedule:
+def solve_chen_greedy(
+  graph: RematGraph, budget_bytes: int, *, order=None, time_limit_s: float = 60.0, **_
+) -> Schedule:
   """Chen's greedy segments over the linearized forward order (segment budget searched).
 
   Raises:
     NoScheduleFoundError: no segment budget meets the memory budget.
   """
-  return _solve(graph, budget_bytes, "chen-greedy", "greedy", "linearized", order)
+  return _solve(graph, budget_bytes, "chen-greedy", "greedy", "linearized", order, time_limit_s)
 
 
-def solve_chen_greedy_ap(graph: RematGraph, budget_bytes: int, *, order=None, **_) -> Schedule:
+def solve_chen_greedy_ap(
+  graph: RematGraph, budget_bytes: int, *, order=None, time_limit_s: float = 60.0, **_
+) -> Schedule:
   """Chen's greedy segments over articulation points (segment budget searched)."""
-  return _solve(graph, budget_bytes, "chen-greedy-ap", "greedy", "ap", order)
+  return _solve(graph, budget_bytes, "chen-greedy-ap", "greedy", "ap", order, time_limit_s)

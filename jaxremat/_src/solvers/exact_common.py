@@ -8,11 +8,12 @@ import math
 import time
 from collections.abc import Sequence
 
-from jaxremat._src.errors import SolverError
+from jaxremat._src.errors import NoScheduleFoundError, SolverError
 from jaxremat._src.graph import RematGraph
 from jaxremat._src.schedule import Schedule, schedule_from_computes
 from jaxremat._src.simulate import simulate
 from jaxremat._src.solvers.base import Progress, ProgressCallback
+from jaxremat._src.solvers.greedy import solve_xla_greedy
 
 # Integer costs are scaled so that the largest is about this many units when the graph's
 # costs are not integers (CP-SAT and the MIP objective work on integers).
@@ -219,3 +220,27 @@ def best_greedy_computes(
     if result.valid and result.peak_bytes <= budget_bytes:
       found.append((result.duration, computes))
   return min(found, key=lambda f: f[0])[1] if found else None
+
+
+def warm_start_computes(
+  graph: RematGraph, budget_bytes: int, staged: bool, time_limit_s: float
+) -> list[int] | None:
+  """The shortest sequence within budget of the fast heuristics, or None.
+
+  Candidates: `xla-greedy` (on the input order; with ``staged=False`` also on `reorder`'s
+  order) and `best_greedy_computes`. On the input order, first computes keep the input
+  order, so every candidate of ``staged=True`` fits the staged model.
+  """
+  deadline = time.perf_counter() + time_limit_s
+  found = []
+  try:
+    schedule = solve_xla_greedy(
+      graph, budget_bytes, time_limit_s=time_limit_s / 2, order="input" if staged else None
+    )
+    found.append(list(schedule.computes))
+  except NoScheduleFoundError:
+    pass
+  own = best_greedy_computes(graph, budget_bytes, max(deadline - time.perf_counter(), 0.0))
+  if own is not None:
+    found.append(own)
+  return min(found, key=lambda computes: duration_of(graph, computes)) if found else None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,17 +29,19 @@ from jaxremat._src.simulate import simulate
 from jaxremat._src.solvers.base import ProgressCallback
 from jaxremat._src.solvers.exact_common import (
   Clock,
-  best_greedy_computes,
   checked_schedule,
   duration_of,
   integer_costs,
   memory_unit,
+  warm_start_computes,
 )
 
 ORDERS = ("staged", "free")
 # CP-SAT parameters applied before the caller's: probing in presolve costs seconds on
 # these models and rarely pays off within the short limits exact remat is run with.
-DEFAULT_PARAMETERS = {"cp_model_probing_level": 0}
+# Expanding the reservoir constraints in presolve cannot be interrupted: on rl1000 it ran
+# 7 s past a 2 s limit. Native propagation reached the same schedules in our benchmarks.
+DEFAULT_PARAMETERS = {"cp_model_probing_level": 0, "expand_reservoir_constraints": False}
 # Phase 2 starts straight from the greedy warm start when its duration increase is at most
 # this fraction; a worse one only backs up phase 1.
 GREEDY_START_TDI = 0.10
@@ -78,6 +81,30 @@ def copy_counts(
     useful = sum(counts[w] for w in graph.succs[v]) + (v in outputs) + staged
     counts[v] = max(1, min(requested[v], useful))
   return counts
+
+
+def bounded_by_duration(
+  graph: RematGraph, counts: Mapping[int, int], computes: Sequence[int]
+) -> tuple[dict[int, int], int]:
+  """Copy counts and a horizon that keep every schedule no longer than ``computes``.
+
+  A schedule lasts the baseline plus the costs of its recomputations. One no longer than
+  ``computes`` recomputes only nodes that cost at most the slack (its duration minus the
+  baseline's), and at most as many times as the cheapest recomputations that fit in the
+  slack; each takes a slot, so the horizon is n plus that number. Nothing at least as
+  short as ``computes`` is cut off, so optimality for the model is kept; the start
+  windows shrink from sum(C_v) slots to n + that number.
+  """
+  int_costs, _ = integer_costs(graph)
+  slack = sum(int_costs[v] for v in computes) - sum(int_costs[v] for v in graph.order)
+  bounded = {v: c if int_costs[v] <= slack else 1 for v, c in counts.items()}
+  extra = sorted(int_costs[v] for v, c in bounded.items() for _ in range(c - 1))
+  recomputes = 0
+  for total in itertools.accumulate(extra):
+    if total > slack:
+      break
+    recomputes += 1
+  return bounded, max(len(graph.order) + recomputes, len(computes))
 
 
 def _ancestor_counts(graph: RematGraph) -> tuple[dict[int, int], dict[int, int]]:
@@ -125,26 +152,28 @@ class _Model:
     staged: bool,
     capacity: int,
     precedence: str = "reservoir",
+    horizon: int | None = None,
   ):
     self.graph = graph
-    self.counts = counts
     self.staged = staged
     self.mem_unit = memory_unit(graph)
     self.int_costs, self.cost_scale = integer_costs(graph)
-    self.horizon = sum(counts.values())
+    self.horizon = horizon = sum(counts.values()) if horizon is None else horizon
     m = self.model = cp_model.CpModel()
-    horizon = self.horizon
     n = len(graph.order)
     anc, desc = _ancestor_counts(graph)
     position = {v: k for k, v in enumerate(graph.order)}
     self.copies: dict[int, list[_Copy]] = {}
+    self.counts: dict[int, int] = {}
     for v in graph.order:
       if staged:
         first_lo, first_hi = position[v], horizon - n + position[v]
       else:
         first_lo, first_hi = anc[v], horizon - 1 - desc[v]
+      # Copy i starts at first_lo + i at the earliest: later than the horizon, it cannot be.
+      self.counts[v] = min(counts[v], horizon - first_lo)
       copies = []
-      for i in range(counts[v]):
+      for i in range(self.counts[v]):
         lo = first_lo + i
         hi = first_hi if i == 0 else horizon - 1
         start = m.new_int_var(lo, hi, f"s{v}_{i}")
@@ -335,10 +364,12 @@ def solve_moccasin(
 
   Phase 1 minimizes max(peak, budget) from a hint (``hint``, or the input order) to reach
   a schedule within budget; phase 2 fixes the budget and minimizes the duration from
-  phase 1's solution. A ``hint`` already within budget skips phase 1. ``stats`` holds
+  phase 1's solution. A ``hint`` already within budget skips phase 1 and bounds the model
+  (`bounded_by_duration`: fewer copies, n + R slots instead of sum(C_v)). ``stats`` holds
   ``status`` ("optimal" means optimal for this model: these copies and this order),
   ``lower_bound`` (CP-SAT's bound on the duration for this model, see ``bound_scope``),
-  ``time_to_best_s``, ``history``, ``phase1_s`` and the number of copies.
+  ``time_to_best_s``, ``history``, ``phase1_s``, the number of copies and ``horizon``
+  (the number of time slots).
 
   Args:
     graph: the graph.
@@ -353,8 +384,9 @@ def solve_moccasin(
     hint: a schedule to start from; nodes it computes more often than C_v get more copies.
     precedence: "reservoir" (the paper's encoding) or "cover" (a literal per pair of
       copies; equivalent, slower on the benchmark graphs tried).
-    warm_start: without ``hint``, start from the best greedy evict-and-recompute
-      sequence within budget (`best_greedy_computes`) when one exists.
+    warm_start: without ``hint``, start from the best heuristic sequence within budget
+      (`warm_start_computes`: `xla-greedy` and greedy evict-and-recompute) when one
+      exists; phase 1 is skipped when its duration increase is at most 10%.
     parameters: CP-SAT parameters (``SatParameters`` field name -> value) on top of
       `DEFAULT_PARAMETERS`.
     log_search: print CP-SAT's search log.
@@ -388,26 +420,30 @@ def solve_moccasin(
     start_fits = result.peak_bytes <= budget_bytes
   else:
     start, start_fits = list(graph.order), False
-  # A greedy evict-and-recompute sequence within budget: phase 2 starts from it when it is
-  # short, else it is the fallback if phase 1 runs out of time.
+  # The best heuristic sequence within budget: phase 2 starts from it when it is short,
+  # else it is the fallback if phase 1 runs out of time.
   greedy = None
   if warm_start and not start_fits:
-    greedy = best_greedy_computes(graph, budget_bytes, GREEDY_TIME_FRACTION * time_limit_s)
+    greedy = warm_start_computes(graph, budget_bytes, staged, GREEDY_TIME_FRACTION * time_limit_s)
   for computes in (start, greedy or ()):
     for v, k in collections.Counter(computes).items():
       counts[v] = max(counts[v], k)
-  capacity = (budget_bytes - graph.resident_bytes) // memory_unit(graph)
-  model = _Model(graph, counts, staged, capacity, precedence)
-  stats: dict[str, Any] = {
-    "order": order,
-    "copies": sum(counts.values()),
-    "bound_scope": f"moccasin model: {order} order, at most C_v computes of each node",
-  }
   baseline_duration = duration_of(graph, graph.order)
   if greedy is not None and (
     duration_of(graph, greedy) <= (1 + GREEDY_START_TDI) * baseline_duration
   ):
     start, start_fits = greedy, True
+  horizon = sum(counts.values())
+  if start_fits:
+    counts, horizon = bounded_by_duration(graph, counts, start)
+  capacity = (budget_bytes - graph.resident_bytes) // memory_unit(graph)
+  model = _Model(graph, counts, staged, capacity, precedence, horizon)
+  stats: dict[str, Any] = {
+    "order": order,
+    "copies": sum(model.counts.values()),
+    "horizon": model.horizon,
+    "bound_scope": f"moccasin model: {order} order, at most C_v computes of each node",
+  }
   model.set_hint(start)
   if start_fits:
     clock.improved(duration_of(graph, start), message="moccasin: start within budget")

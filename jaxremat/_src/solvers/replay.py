@@ -288,15 +288,19 @@ def pick_best(
 
 
 def prune_recomputes(
-  graph: RematGraph, computes: Sequence[int], budget_bytes: int, deadline: float
+  graph: RematGraph,
+  computes: Sequence[int],
+  budget_bytes: int,
+  deadline: float,
+  max_trials: int | None = None,
 ) -> list[int]:
   """Deletes recomputations, most expensive first, while the peak stays within budget.
 
   Deleting a recompute of v keeps v's previous copy alive until the readers of the
   deleted one (`schedule_from_computes` frees at last use), so every result is valid;
   only its peak can grow. Tries the most expensive recomputations first, as many as
-  a fixed amount of work allows, and stops early at ``deadline`` (a
-  `time.perf_counter()` value).
+  a fixed amount of work allows (at most ``max_trials`` where given), and stops early at
+  ``deadline`` (a `time.perf_counter()` value).
   """
   computes = list(computes)
   seen: set[int] = set()
@@ -309,6 +313,8 @@ def prune_recomputes(
   # A fixed amount of work (trials x sequence length) keeps the result deterministic;
   # the deadline only guards the caller's time limit.
   trials = max(200, _PRUNE_WORK // max(len(computes), 1))
+  if max_trials is not None:
+    trials = min(trials, max_trials)
   for k in sorted(recomputes, key=lambda k: (-graph.cost[computes[k]], k))[:trials]:
     if time.perf_counter() > deadline:
       break

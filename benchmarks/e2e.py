@@ -1,0 +1,419 @@
+"""End to end against jax.checkpoint: what jaxremat gives a user over checkpointing by hand.
+
+For each example training step (examples/: loss, value_and_grad, Adam) it measures, with
+XLA's own figures (memory_analysis peak = argument + output + temp - alias, cost_analysis
+FLOPs, median wall time):
+
+* no remat (the reference: budgets are fractions of its peak);
+* the jax.checkpoint variants a user would try (`examples._common.CHECKPOINT_VARIANTS`):
+  policies ``nothing_saveable`` and ``dots_saveable`` over the whole loss, one
+  checkpoint per block, and segments of sqrt(n) blocks;
+* `jaxremat.optimize` (solver ``auto``) at each budget (0.9, 0.7, 0.5).
+
+For each it records the peak, the FLOP and wall-time ratios against no remat, which
+budgets the peak meets as XLA measures it (for jaxremat also whether jaxremat reported the
+budget met) and how its outputs agree with no remat's: the loss, and the gradient read from
+Adam's first moment, which after one step from zero is exactly 0.1 x the gradient.
+
+It then assembles the solver table on ../shared/graphs from the result files of
+benchmarks/heuristics.py (`auto` at 0.8 against the best any solver reached) and
+benchmarks/solvers.py (MOCCASIN against its reference), rerunning those parts first with
+``--rerun-solvers``. Writes benchmarks/results/e2e.{csv,json}, e2e_solvers.csv and the
+plots e2e.png (peak against FLOPs) and e2e_time.png (wall time).
+
+Run from the repository root:
+  python -m benchmarks.e2e                     # every example, every budget
+  python -m benchmarks.e2e --rerun-solvers     # the same, and the solver benchmarks rerun
+  python -m benchmarks.e2e --quick             # U-Net and ResNet at 0.7 (a few minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+
+import examples
+import jaxremat
+from examples import _common
+from jaxremat import InfeasibleBudgetError, NoScheduleFoundError, VerificationError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+BUDGETS = (0.9, 0.7, 0.5)
+QUICK_EXAMPLES = ("unet", "resnet")
+QUICK_BUDGETS = (0.7,)
+# Outputs agree when the loss and the gradient are within this relative error of no remat's
+# (norm-wise for the gradient: Verification.max_rel_norm_error explains why).
+AGREE_RTOL = 1e-5
+
+
+# -- measuring one step ---------------------------------------------------------------
+
+
+def _rel_norm_error(got, want) -> float:
+  errors = [
+    float(np.linalg.norm(np.asarray(g) - np.asarray(w)) / max(np.linalg.norm(np.asarray(w)), 1e-30))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+  ]
+  return max(errors)
+
+
+def agreement(outputs, reference) -> dict:
+  """How ``(params, opt_state, loss)`` agrees with no remat's, after one step."""
+  (_, (adam, _), loss), (_, (ref_adam, _), ref_loss) = outputs, reference
+  loss_err = abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))
+  grad_err = _rel_norm_error(adam.mu, ref_adam.mu)
+  return {
+    "loss_rel_error": loss_err,
+    "grad_rel_norm_error": grad_err,
+    "outputs_agree": loss_err <= AGREE_RTOL and grad_err <= AGREE_RTOL,
+  }
+
+
+def _figures(m: jaxremat.Measurement, base: jaxremat.Measurement, budgets_bytes: dict) -> dict:
+  return {
+    "xla_peak_bytes": m.peak_bytes,
+    "temp_bytes": m.temp_bytes,
+    "peak_ratio": m.peak_bytes / base.peak_bytes,
+    "flops": m.flops,
+    "flops_ratio": m.flops / base.flops if m.flops and base.flops else None,
+    "wall_time_s": m.wall_time_s,
+    "time_ratio": m.wall_time_s / base.wall_time_s,
+    "meets": {str(b): m.peak_bytes <= n for b, n in budgets_bytes.items()},
+  }
+
+
+def run_example(name: str, budgets, time_limit_s: float, runs: int, small: bool) -> list[dict]:
+  """Every method on one example's training step; one row per method (and budget)."""
+  module = examples.load(name)
+  params, batch = _common.example_args(module, **(module.SMALL if small else {}))
+
+  def step_for(variant):
+    return _common.make_train_step(_common.checkpointed_loss(module, variant), params, batch)
+
+  step, args = step_for(None)
+  base = jaxremat.measure(step, *args, runs=runs)
+  reference = jax.jit(step)(*args)
+  budgets_bytes = {b: jaxremat.parse_budget(b, base.peak_bytes) for b in budgets}
+  common = {"example": name, "sizes": "small" if small else "default"}
+  rows = [
+    {**common, "method": "no remat", **_figures(base, base, budgets_bytes)}
+    | agreement(reference, reference)
+  ]
+  _print_row(rows[-1])
+  for variant in _common.CHECKPOINT_VARIANTS:
+    step, args = step_for(variant)
+    m = jaxremat.measure(step, *args, runs=runs)
+    rows.append(
+      {**common, "method": f"jax.checkpoint {variant}", **_figures(m, base, budgets_bytes)}
+      | agreement(jax.jit(step)(*args), reference)
+    )
+    _print_row(rows[-1])
+
+  step, args = step_for(None)
+  for budget in budgets:
+    row = {**common, "method": "jaxremat auto", "budget": budget}
+    row["budget_bytes"] = budgets_bytes[budget]
+    fast = jaxremat.optimize(
+      step, budget=budget, solver="auto", time_limit=time_limit_s, use_cache=False, progress=False
+    )
+    start = time.perf_counter()
+    try:
+      plan = fast.plan(*args)
+    except (InfeasibleBudgetError, NoScheduleFoundError, VerificationError) as e:
+      row.update(error=f"{type(e).__name__}: {e}", plan_s=time.perf_counter() - start)
+      row["min_feasible_bytes"] = getattr(e, "min_feasible_bytes", None)
+      rows.append(row)
+      _print_row(row)
+      continue
+    m = jaxremat.measure(plan.compiled, *args, runs=runs)
+    row.update(_figures(m, base, budgets_bytes))
+    row.update(agreement(plan.compiled(*args), reference))
+    stats = plan.schedule.stats
+    row.update(
+      plan_s=time.perf_counter() - start,
+      solver=plan.schedule.solver,
+      best_solver=stats.get("best_solver"),
+      status=stats.get("status"),
+      n_plans=len(plan.attempts),
+      predicted_peak_bytes=stats["peak_bytes"],
+      jaxremat_baseline_peak_bytes=plan.baseline_peak_bytes,
+      jaxremat_measured_peak_bytes=plan.measured_peak_bytes,
+      jaxremat_reports_met=plan.measured_peak_bytes <= plan.budget_bytes,
+      xla_met=m.peak_bytes <= budgets_bytes[budget],
+      n_recompute=stats.get("n_recompute"),
+    )
+    rows.append(row)
+    _print_row(row)
+  return rows
+
+
+def _print_row(row: dict) -> None:
+  label = row["method"] + (f" @{row['budget']}" if "budget" in row else "")
+  if "error" in row:
+    print(f"{row['example']:10} {label:34} {row['error'][:110]}", flush=True)
+    return
+  meets = " ".join(f"{b}:{'y' if ok else 'n'}" for b, ok in row["meets"].items())
+  print(
+    f"{row['example']:10} {label:34} {row['xla_peak_bytes'] / 2**20:9.2f} MiB "
+    f"x{row['peak_ratio']:.3f}  FLOPs x{row['flops_ratio']:.3f}  time x{row['time_ratio']:.2f}  "
+    f"meets {meets}  loss err {row['loss_rel_error']:.1e} grad err "
+    f"{row['grad_rel_norm_error']:.1e}",
+    flush=True,
+  )
+
+
+def checkpoint_wins(rows: list[dict]) -> list[str]:
+  """Where a jax.checkpoint variant has a lower XLA peak than a jaxremat plan at equal or
+  lower FLOPs, or meets a budget that jaxremat did not meet."""
+  wins = []
+  for v in rows:
+    if not v["method"].startswith("jax.checkpoint"):
+      continue
+    for j in rows:
+      if j["example"] != v["example"] or j["method"] != "jaxremat auto":
+        continue
+      if "error" in j and v["meets"][str(j["budget"])]:
+        wins.append(f"{v['example']} @{j['budget']}: {v['method']} meets it, jaxremat did not")
+      elif "error" not in j and (
+        v["xla_peak_bytes"] < j["xla_peak_bytes"] and v["flops_ratio"] <= j["flops_ratio"]
+      ):
+        wins.append(
+          f"{v['example']} @{j['budget']}: {v['method']} peak x{v['peak_ratio']:.3f} at FLOPs "
+          f"x{v['flops_ratio']:.3f}, jaxremat x{j['peak_ratio']:.3f} at x{j['flops_ratio']:.3f}"
+        )
+  return wins
+
+
+# -- solver table ---------------------------------------------------------------------
+
+
+def _read_csv(path: pathlib.Path) -> list[dict]:
+  if not path.exists():
+    return []
+  with open(path) as f:
+    return list(csv.DictReader(f))
+
+
+def print_solver_table(rows: list[dict]) -> None:
+  print(
+    f"\n{'graph':28} {'auto TDI %':>10} {'s':>6} {'by':>12} {'best %':>8} {'from':>18}"
+    f" {'moccasin %':>10} {'ref %':>7}"
+  )
+  for r in rows:
+    print(
+      f"{r['graph']:28} {r['auto_tdi_percent'][:6] or r['auto_status']:>10} "
+      f"{float(r['auto_time_s']):6.1f} {r['auto_by']:>12} {r['best_tdi_percent'][:6]:>8} "
+      f"{r['best_source']:>18} {r['moccasin_tdi_percent'][:6]:>10} {r['reference_tdi_percent']:>7}"
+    )
+
+
+def rerun_solvers(quick: bool, auto_time_limit_s: float) -> None:
+  """Reruns `auto` of benchmarks/heuristics.py and the rows of benchmarks/solvers.py."""
+  from benchmarks import heuristics, solvers
+
+  graphs = sorted(p.stem for p in heuristics.GRAPHS.glob("*.json"))
+  heuristic_rows = [
+    {**r, "budget": float(r["budget"]), "tdi_percent": float(r["tdi_percent"])}
+    for r in _read_csv(RESULTS / "heuristics.csv")
+    if r.get("tdi_percent")
+  ]
+  heuristics.part_auto(graphs, auto_time_limit_s, 0, heuristic_rows)
+  solvers.main(["--quick"] if quick else ["--no-large"])
+
+
+def solver_table() -> list[dict]:
+  """`auto` at 0.8 on every shared graph beside the best TDI any solver reached, and
+  MOCCASIN against its reference, from the solver benchmarks' result files."""
+  exact = {
+    (r["graph"], r["m"]): r
+    for r in _read_csv(RESULTS / "solvers.csv")
+    if r["solver"] == "moccasin" and r["m"] == "0.8"
+  }
+  rows = []
+  for r in _read_csv(RESULTS / "heuristics.auto.csv"):
+    if not r["graph"].startswith("moccasin") and not r["graph"].endswith("_train"):
+      continue  # inference graphs: no budget below their peak is feasible
+    moccasin = exact.get((r["graph"], r["budget"]), {})
+    rows.append(
+      {
+        "graph": r["graph"],
+        "budget": float(r["budget"]),
+        "auto_status": r["auto_status"],
+        "auto_tdi_percent": r["auto_tdi_percent"],
+        "auto_time_s": r["auto_time_s"],
+        "auto_by": r["auto_best_solver"],
+        "best_tdi_percent": r["best_tdi_percent"],
+        "best_source": r["best_source"],
+        "moccasin_tdi_percent": moccasin.get("tdi_percent", ""),
+        "moccasin_time_to_best_s": moccasin.get("time_to_best_s", ""),
+        "reference_tdi_percent": moccasin.get("ref_tdi_percent", ""),
+        "reference_time_s": moccasin.get("ref_time_s", ""),
+      }
+    )
+  return rows
+
+
+# -- output ---------------------------------------------------------------------------
+
+
+def _write_csv(path: pathlib.Path, rows: list[dict]) -> None:
+  fields = list(dict.fromkeys(k for r in rows for k in r))
+  with open(path, "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(
+      {k: json.dumps(v) if isinstance(v, dict) else v for k, v in r.items()} for r in rows
+    )
+
+
+def plot(rows: list[dict], budgets, tag: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  names = list(dict.fromkeys(r["example"] for r in rows))
+  markers = dict(
+    zip(
+      ("no remat", *(f"jax.checkpoint {v}" for v in _common.CHECKPOINT_VARIANTS)),
+      "os^vD",
+      strict=True,
+    )
+  )
+  cols = min(3, len(names))
+  fig, axes = plt.subplots(
+    -(-len(names) // cols), cols, figsize=(5 * cols, 4 * -(-len(names) // cols)), squeeze=False
+  )
+  for ax, name in zip(axes.flat, names, strict=False):
+    for r in rows:
+      if r["example"] != name or "error" in r:
+        continue
+      if r["method"] == "jaxremat auto":
+        ax.plot(r["flops_ratio"], r["peak_ratio"], "*", ms=13, label=f"jaxremat @{r['budget']}")
+      else:
+        ax.plot(r["flops_ratio"], r["peak_ratio"], markers[r["method"]], ms=8, label=r["method"])
+    for b in budgets:
+      ax.axhline(b, color="gray", ls="--", lw=0.8)
+    ax.set_title(name)
+    ax.set_xlabel("FLOPs / no remat (XLA cost_analysis)")
+    ax.set_ylabel("peak / no remat (XLA memory_analysis)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+  for ax in list(axes.flat)[len(names) :]:
+    ax.set_visible(False)
+  fig.suptitle("Training steps on XLA:CPU: peak against FLOPs (dashed: budgets)")
+  fig.tight_layout()
+  fig.savefig(RESULTS / f"{tag}.png", dpi=110)
+
+  fig, ax = plt.subplots(figsize=(max(8, 2 * len(names)), 4))
+  methods = list(
+    dict.fromkeys(r["method"] + (f" @{r['budget']}" if "budget" in r else "") for r in rows)
+  )
+  width = 0.8 / len(methods)
+  for i, method in enumerate(methods):
+    values = [
+      next(
+        (
+          r.get("time_ratio", np.nan)
+          for r in rows
+          if r["example"] == n
+          and r["method"] + (f" @{r['budget']}" if "budget" in r else "") == method
+        ),
+        np.nan,
+      )
+      for n in names
+    ]
+    ax.bar(np.arange(len(names)) + i * width, values, width, label=method)
+  ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
+  ax.set_ylabel("median wall time / no remat")
+  ax.axhline(1.0, color="gray", lw=0.8)
+  ax.legend(fontsize=6, ncol=2)
+  ax.set_title(f"Wall time on XLA:CPU (load average {os.getloadavg()[0]:.1f})")
+  fig.tight_layout()
+  fig.savefig(RESULTS / f"{tag}_time.png", dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="a subset that runs in minutes")
+  parser.add_argument("--examples", help="comma-separated (default: all, or the quick subset)")
+  parser.add_argument("--budgets", help="comma-separated fractions (default 0.9,0.7,0.5)")
+  parser.add_argument("--time-limit", type=float, help="seconds per solve (default 30; quick 10)")
+  parser.add_argument("--runs", type=int, help="timed calls per step (default 5; quick 3)")
+  parser.add_argument("--small", action="store_true", help="the examples' smallest sizes")
+  parser.add_argument(
+    "--rerun-solvers", action="store_true", help="rerun the solver benchmarks' parts first"
+  )
+  parser.add_argument("--auto-time-limit", type=float, default=60.0, help="with --rerun-solvers")
+  args = parser.parse_args(argv)
+  names = (
+    args.examples.split(",")
+    if args.examples
+    else QUICK_EXAMPLES
+    if args.quick
+    else examples.EXAMPLES
+  )
+  budgets = (
+    tuple(map(float, args.budgets.split(",")))
+    if args.budgets
+    else (QUICK_BUDGETS if args.quick else BUDGETS)
+  )
+  time_limit_s = args.time_limit or (10.0 if args.quick else 30.0)
+  runs = args.runs or (3 if args.quick else 5)
+  RESULTS.mkdir(parents=True, exist_ok=True)
+  # A run over chosen examples is saved beside the full one, not over it.
+  tag = "e2e_quick" if args.quick else f"e2e_{'_'.join(names)}" if args.examples else "e2e"
+
+  start, loads = time.perf_counter(), [os.getloadavg()[0]]
+  if args.rerun_solvers:
+    rerun_solvers(args.quick, args.auto_time_limit)
+  solver_rows = solver_table()
+  _write_csv(RESULTS / "e2e_solvers.csv", solver_rows)
+  print_solver_table(solver_rows)
+
+  rows: list[dict] = []
+  for name in names:
+    rows += run_example(name, budgets, time_limit_s, runs, args.small)
+    loads.append(os.getloadavg()[0])
+    # Saved after every example, so that an interrupted run keeps what it measured.
+    unmet = [r for r in rows if r.get("jaxremat_reports_met") and not r.get("xla_met")]
+    meta = {
+      "command": "python -m benchmarks.e2e " + " ".join(sys.argv[1:] if argv is None else argv),
+      "backend": jax.default_backend(),
+      "device": jax.devices()[0].device_kind,
+      "jax": jax.__version__,
+      "budgets": budgets,
+      "time_limit_s": time_limit_s,
+      "runs": runs,
+      "load_avg_1min": loads,
+      "total_s": time.perf_counter() - start,
+      "examples_done": list(dict.fromkeys(r["example"] for r in rows)),
+      "jaxremat_met_but_xla_not": len(unmet),
+      "checkpoint_wins": checkpoint_wins(rows),
+    }
+    (RESULTS / f"{tag}.json").write_text(
+      json.dumps({"meta": meta, "rows": rows, "solvers": solver_rows}, indent=1, default=str)
+    )
+    _write_csv(RESULTS / f"{tag}.csv", rows)
+    plot(rows, budgets, tag)
+  for line in meta["checkpoint_wins"]:
+    print(f"jax.checkpoint does better: {line}")
+  for r in unmet:
+    print(
+      f"BUG: jaxremat reported {r['example']} @{r['budget']} met; XLA measured "
+      f"{r['xla_peak_bytes']} > {r['budget_bytes']} bytes"
+    )
+  print(f"\n{meta['total_s']:.0f} s, load average {loads}; results in {RESULTS}/{tag}.*")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,86 @@
+"""What each XLA backend does with a plan, in one place: fence, memory figures, tolerances.
+
+Everything that differs between XLA:CPU, GPU and TPU and that jaxremat or its tests rely on
+is stated here, so that the same code and the same tests run unchanged on any backend
+(``JAX_PLATFORMS=cpu|cuda|tpu``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+# (rtol, atol) for an optimized function's outputs against the original's, by dtype name.
+# Recomputation runs the same equations on the same values; what differs is how XLA fuses
+# and orders the reductions around them, which moves results by a few ulps of the
+# accumulated sums.
+_CPU_TOLERANCES = {
+  "float64": (1e-10, 1e-12),
+  "float32": (1e-5, 1e-6),
+  "float16": (2e-3, 1e-3),
+  "bfloat16": (2e-2, 1e-2),
+}
+# GPU reductions are tree-shaped across threads and the tree depends on the fusion.
+_GPU_TOLERANCES = {**_CPU_TOLERANCES, "float32": (1e-4, 1e-5)}
+# TPU float32 dots run in bfloat16 passes by default (jax_default_matmul_precision).
+_TPU_TOLERANCES = {**_CPU_TOLERANCES, "float32": (1e-3, 1e-4), "float64": (1e-5, 1e-7)}
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendFacts:
+  """What jaxremat expects of one XLA backend.
+
+  Attributes:
+    platform: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (``jax.default_backend()``).
+    fence: the fence `jaxremat.emit` uses there by default.
+    barrier_holds: whether recomputation behind ``lax.optimization_barrier`` survives XLA's
+      optimizations. XLA:CPU expands the barrier before CSE and merges the recomputation
+      away (ARCHITECTURE.md fact 1, JAX issue 19822); GPU and TPU keep it.
+    device_memory_stats: whether ``device.memory_stats()`` reports ``peak_bytes_in_use``.
+      ``compiled.memory_analysis()`` exists everywhere; the device's own high-water mark
+      only on GPU and TPU.
+    tolerances: (rtol, atol) by dtype name for outputs of an optimized function against
+      the original; integer and boolean outputs must match exactly.
+  """
+
+  platform: str
+  fence: str
+  barrier_holds: bool
+  device_memory_stats: bool
+  tolerances: Mapping[str, tuple[float, float]]
+
+  def tolerance(self, dtype: object) -> tuple[float, float]:
+    """(rtol, atol) for arrays of ``dtype``; (0, 0) for integers, booleans and keys."""
+    name = np.dtype(dtype).name if not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else ""
+    return self.tolerances.get(name, (0.0, 0.0))
+
+
+_FACTS = {
+  # XLA:CPU needs a data-dependent fence: "select" held on every schedule of
+  # benchmarks/emit.py and stayed closest to the planned peak ("cond" copies every routed
+  # value at once).
+  "cpu": BackendFacts("cpu", "select", False, False, _CPU_TOLERANCES),
+  # The barrier holds on GPU and TPU, and a cond would cost a host round trip there.
+  "gpu": BackendFacts("gpu", "barrier", True, True, _GPU_TOLERANCES),
+  "tpu": BackendFacts("tpu", "barrier", True, True, _TPU_TOLERANCES),
+}
+
+
+def backend_facts(platform: str | None = None) -> BackendFacts:
+  """The facts for ``platform`` (default: JAX's default backend).
+
+  A platform jaxremat has not been measured on gets the cautious choices: the
+  data-dependent fence, which holds everywhere, and no device memory figures.
+
+  Example:
+    >>> backend_facts("cpu").fence
+    'select'
+    >>> backend_facts("cuda").platform
+    'gpu'
+  """
+  name = platform or jax.default_backend()
+  name = "gpu" if name in ("cuda", "rocm") else name
+  return _FACTS.get(name, dataclasses.replace(_FACTS["cpu"], platform=name))

@@ -1,0 +1,149 @@
+"""Backend expectations (jaxremat/_src/backends.py) checked on whichever backend JAX selects."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from backend import FACTS, assert_trees_allclose
+
+import jaxremat
+from jaxremat._src.emit import default_fence, emit
+from jaxremat._src.segments import segment_schedule
+from jaxremat._src.trace import trace_program
+from jaxremat._src.verify import count_hlo_ops, planned_recomputes
+
+TESTS = pathlib.Path(__file__).resolve().parent
+LAYERS, BATCH, WIDTH = 6, 256, 64
+
+
+def mlp_args(dtype=jnp.float32):
+  rng = np.random.default_rng(0)
+  params = [
+    jnp.asarray(rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH), dtype) for _ in range(LAYERS)
+  ]
+  return params, jnp.asarray(rng.standard_normal((BATCH, WIDTH)), dtype)
+
+
+def mlp_loss(params, x):
+  h = x
+  for w in params:
+    h = jnp.tanh(h @ w)
+  return jnp.sum(h * h)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+  args = mlp_args()
+  step = jax.value_and_grad(mlp_loss)
+  program = trace_program(step, *args, costs="shape")
+  return step, program, args, segment_schedule(program.graph, 3)
+
+
+def dots(fn, *args) -> int:
+  return count_hlo_ops(jax.jit(fn).lower(*args).compile().as_text()).get("dot", 0)
+
+
+def test_default_fence_is_the_backends_and_keeps_every_planned_recomputation(mlp):
+  step, program, args, schedule = mlp
+  assert default_fence() == FACTS.fence
+  planned = planned_recomputes(program, schedule)["dot"]
+  assert planned >= 2
+  assert dots(emit(program, schedule), *args) == dots(step, *args) + planned
+
+
+def test_barrier_holds_exactly_where_the_facts_say(mlp):
+  step, program, args, schedule = mlp
+  kept = planned_recomputes(program, schedule)["dot"] if FACTS.barrier_holds else 0
+  assert dots(emit(program, schedule, fence="barrier"), *args) == dots(step, *args) + kept
+
+
+def test_device_memory_figures_exist_where_the_facts_say(mlp):
+  step, _, args, _ = mlp
+  m = jaxremat.measure(step, *args, runs=1)
+  assert m.peak_bytes == m.argument_bytes + m.output_bytes + m.temp_bytes - m.alias_bytes > 0
+  assert (m.device_peak_bytes is not None) == FACTS.device_memory_stats
+  if FACTS.device_memory_stats:
+    assert m.device_peak_bytes >= m.argument_bytes
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_emitted_step_is_within_the_backend_tolerance_for_each_dtype(dtype):
+  args = mlp_args(dtype)
+  step = jax.value_and_grad(mlp_loss)
+  program = trace_program(step, *args, costs="shape")
+  schedule = segment_schedule(program.graph, 3)
+  assert jaxremat.simulate(program.graph, schedule).n_recompute > 0
+  assert_trees_allclose(jax.jit(emit(program, schedule))(*args), jax.jit(step)(*args))
+
+
+def test_integer_and_boolean_outputs_match_exactly(mlp):
+  _, _, args, _ = mlp
+
+  def loss_and_labels(params, x):
+    h = x
+    for w in params:
+      h = jnp.tanh(h @ w)
+    return jnp.sum(h * h), (jnp.argmax(h, axis=-1), h > 0)
+
+  step = jax.value_and_grad(loss_and_labels, has_aux=True)
+  program = trace_program(step, *args, costs="shape")
+  schedule = segment_schedule(program.graph, 3)
+  assert jaxremat.simulate(program.graph, schedule).n_recompute > 0
+  (loss, labels), grads = jax.jit(emit(program, schedule))(*args)
+  (loss_0, labels_0), grads_0 = jax.jit(step)(*args)
+  assert_trees_allclose(labels, labels_0, exact=True)
+  assert_trees_allclose((loss, grads), (loss_0, grads_0))
+
+
+def test_tolerances_are_stated_per_dtype_and_exact_for_integers():
+  rtol32, _ = FACTS.tolerance(jnp.float32)
+  assert 0 < rtol32 < FACTS.tolerance(jnp.bfloat16)[0]
+  assert FACTS.tolerance(jnp.int32) == FACTS.tolerance(jnp.bool_) == (0.0, 0.0)
+  assert FACTS.tolerance(jax.random.key(0).dtype) == (0.0, 0.0)
+  assert jaxremat._src.backends.backend_facts("cuda").platform == "gpu"
+
+
+def _device_peak(which: str) -> dict:
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  out = subprocess.run(
+    [sys.executable, str(TESTS / "device_peak.py"), which],
+    capture_output=True,
+    text=True,
+    check=True,
+    env=env,
+    timeout=600,
+  )
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.accelerator
+def test_device_peak_of_an_isolated_run_follows_the_plan():
+  original, emitted = _device_peak("original"), _device_peak("emitted")
+  for run in (original, emitted):
+    assert run["platform"] == FACTS.platform
+    assert run["device_peak_bytes"] == pytest.approx(run["xla_peak_bytes"], rel=0.10), run
+    assert run["device_peak_bytes"] == pytest.approx(run["predicted_peak_bytes"], rel=0.10), run
+  saved_bytes = original["predicted_peak_bytes"] - emitted["predicted_peak_bytes"]
+  assert original["device_peak_bytes"] - emitted["device_peak_bytes"] >= 0.5 * saved_bytes
+
+
+@pytest.mark.skipif(FACTS.platform in ("gpu", "tpu"), reason="runs the accelerator tests instead")
+def test_accelerator_tests_are_skipped_with_their_reason_here():
+  out = subprocess.run(
+    [sys.executable, "-m", "pytest", str(TESTS / "test_backends.py"), "-k", "isolated_run"],
+    capture_output=True,
+    text=True,
+    cwd=TESTS.parent,
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "1 skipped" in out.stdout
+  assert f"needs a GPU or TPU; JAX selected the {FACTS.platform!r} backend" in out.stdout
