@@ -11,6 +11,7 @@ import argparse
 import functools
 import inspect
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -134,6 +135,25 @@ def make_train_step(loss, params, batch, learning_rate=1e-3):
     return optax.apply_updates(params, updates), opt_state, value
 
   return train_step, (params, opt_state, batch)
+
+
+def step_makers(module_name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+  """The ``make_grad_fn(**sizes)`` and ``make_train_step(**sizes)`` of an example module
+  that defines ``loss``, ``init_params`` and ``example_batch``."""
+  adam_step = make_train_step
+
+  def make_grad_fn(**sizes):
+    """``jax.value_and_grad(loss)`` and its example arguments ``(params, batch)``."""
+    module = sys.modules[module_name]
+    return jax.value_and_grad(module.loss), example_args(module, **sizes)
+
+  def make_train_step_(**sizes):
+    """The optax (Adam) training step and its example arguments."""
+    _, (params, batch) = make_grad_fn(**sizes)
+    return adam_step(sys.modules[module_name].loss, params, batch)
+
+  make_train_step_.__name__ = make_train_step_.__qualname__ = "make_train_step"
+  return make_grad_fn, make_train_step_
 
 
 # -- command line ---------------------------------------------------------------------

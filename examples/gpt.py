@@ -76,15 +76,7 @@ def example_batch(key, batch=8, seq_len=128, vocab=512):
 SMALL = {"vocab": 64, "d_model": 32, "n_layers": 2, "seq_len": 16, "batch": 2}
 
 
-def make_grad_fn(**sizes):
-  """``jax.value_and_grad(loss)`` and its example arguments ``(params, tokens)``."""
-  return jax.value_and_grad(loss), _common.example_args(sys.modules[__name__], **sizes)
-
-
-def make_train_step(**sizes):
-  """The optax (Adam) training step and its example arguments."""
-  _, (params, batch) = make_grad_fn(**sizes)
-  return _common.make_train_step(loss, params, batch)
+make_grad_fn, make_train_step = _common.step_makers(__name__)
 
 
 if __name__ == "__main__":

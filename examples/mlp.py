@@ -42,15 +42,7 @@ def example_batch(key, batch=1024, d_in=256, d_out=16):
 SMALL = {"depth": 4, "width": 32, "d_in": 32, "batch": 1024}
 
 
-def make_grad_fn(**sizes):
-  """``jax.value_and_grad(loss)`` and its example arguments ``(params, batch)``."""
-  return jax.value_and_grad(loss), _common.example_args(sys.modules[__name__], **sizes)
-
-
-def make_train_step(**sizes):
-  """The optax (Adam) training step and its example arguments."""
-  _, (params, batch) = make_grad_fn(**sizes)
-  return _common.make_train_step(loss, params, batch)
+make_grad_fn, make_train_step = _common.step_makers(__name__)
 
 
 if __name__ == "__main__":

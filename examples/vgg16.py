@@ -68,15 +68,7 @@ def example_batch(key, batch=32, size=64, c_in=3, n_classes=10):
 SMALL = {"widths": (2, 2, 4, 4, 4), "hidden": 8, "size": 32, "batch": 2}
 
 
-def make_grad_fn(**sizes):
-  """``jax.value_and_grad(loss)`` and its example arguments ``(params, batch)``."""
-  return jax.value_and_grad(loss), _common.example_args(sys.modules[__name__], **sizes)
-
-
-def make_train_step(**sizes):
-  """The optax (Adam) training step and its example arguments."""
-  _, (params, batch) = make_grad_fn(**sizes)
-  return _common.make_train_step(loss, params, batch)
+make_grad_fn, make_train_step = _common.step_makers(__name__)
 
 
 if __name__ == "__main__":

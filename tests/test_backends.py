@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from backend import FACTS, assert_trees_allclose
+from test_emit import mlp_loss
 
 import jaxremat
 from jaxremat._src.emit import default_fence, emit
@@ -30,13 +31,6 @@ def mlp_args(dtype=jnp.float32):
     jnp.asarray(rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH), dtype) for _ in range(LAYERS)
   ]
   return params, jnp.asarray(rng.standard_normal((BATCH, WIDTH)), dtype)
-
-
-def mlp_loss(params, x):
-  h = x
-  for w in params:
-    h = jnp.tanh(h @ w)
-  return jnp.sum(h * h)
 
 
 @pytest.fixture(scope="module")
