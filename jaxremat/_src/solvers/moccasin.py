@@ -28,6 +28,7 @@ from jaxremat._src.schedule import Schedule, schedule_from_computes
 from jaxremat._src.simulate import simulate
 from jaxremat._src.solvers.base import ProgressCallback
 from jaxremat._src.solvers.exact_common import (
+  WARM_START_SHARE,
   Clock,
   checked_schedule,
   duration_of,
@@ -45,8 +46,6 @@ DEFAULT_PARAMETERS = {"cp_model_probing_level": 0, "expand_reservoir_constraints
 # Phase 2 starts straight from the greedy warm start when its duration increase is at most
 # this fraction; a worse one only backs up phase 1.
 GREEDY_START_TDI = 0.10
-# The greedy warm start may use this fraction of the time limit.
-GREEDY_TIME_FRACTION = 0.2
 
 
 # -- copy counts and time windows --------------------------------------------------------
@@ -385,7 +384,7 @@ def solve_moccasin(
     precedence: "reservoir" (the paper's encoding) or "cover" (a literal per pair of
       copies; equivalent, slower on the benchmark graphs tried).
     warm_start: without ``hint``, start from the best heuristic sequence within budget
-      (`warm_start_computes`: `xla-greedy` and greedy evict-and-recompute) when one
+      (`warm_start_computes`: `cover`, `xla-greedy` and greedy evict-and-recompute) when one
       exists; phase 1 is skipped when its duration increase is at most 10%.
     parameters: CP-SAT parameters (``SatParameters`` field name -> value) on top of
       `DEFAULT_PARAMETERS`.
@@ -424,7 +423,7 @@ def solve_moccasin(
   # else it is the fallback if phase 1 runs out of time.
   greedy = None
   if warm_start and not start_fits:
-    greedy = warm_start_computes(graph, budget_bytes, staged, GREEDY_TIME_FRACTION * time_limit_s)
+    greedy = warm_start_computes(graph, budget_bytes, staged, WARM_START_SHARE * time_limit_s)
   for computes in (start, greedy or ()):
     for v, k in collections.Counter(computes).items():
       counts[v] = max(counts[v], k)
