@@ -107,8 +107,9 @@ def _build(
     if clock.elapsed_s() > time_limit_s:
       raise NoScheduleFoundError(
         f"building the Checkmate program of graph {graph.name!r} ({n} nodes, O(n^2) "
-        f"variables) outlasted time_limit_s={time_limit_s:g} at stage {t} of {n}; raise the "
-        "time limit or use solver='moccasin', whose model grows as O(n)."
+        f"variables) for budget={budget_bytes} bytes outlasted time_limit_s={time_limit_s:g} "
+        f"at stage {t} of {n}; raise the time limit or use solver='moccasin', whose model "
+        "grows as O(n)."
       )
 
   # Variables and objective stage by stage, so that the clock is checked while they grow.
