@@ -2,12 +2,14 @@
 programs through trace, solve and emit.
 
 Example counts are fixed (``max_examples``) and the database is off, so that a run takes
-the same time and checks the same number of cases everywhere.
+the same time and checks the same number of cases everywhere. ``JAXREMAT_FUZZ_SCALE=N``
+multiplies the counts for a longer campaign than CI's.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 import jaxremat
 from jaxremat import InfeasibleBudgetError, NoScheduleFoundError, RematGraph
 
+_SCALE = int(os.environ.get("JAXREMAT_FUZZ_SCALE", "1"))
 _SETTINGS = dict(
   deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
@@ -63,7 +66,7 @@ def dags(draw) -> RematGraph:
 
 
 @pytest.mark.parametrize("solver", jaxremat.available_solvers())
-@settings(max_examples=40, **_SETTINGS)
+@settings(max_examples=40 * _SCALE, **_SETTINGS)
 @given(graph=dags(), fraction=st.sampled_from([0.6, 0.75, 0.9, 1.0]))
 def test_random_dags_through_every_solver(solver, graph, fraction):
   baseline = jaxremat.simulate(graph, jaxremat.baseline_schedule(graph))
@@ -157,7 +160,7 @@ def _assert_close(actual, expected, rtol=1e-5):
     np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
 
 
-@settings(max_examples=6, **_SETTINGS)
+@settings(max_examples=6 * _SCALE, **_SETTINGS)
 @given(
   names=st.lists(st.sampled_from(OPS + CONTROL), min_size=4, max_size=8).filter(
     lambda names: sum(n in ("dot", "residual", "gram", "scan") for n in names) >= 1
