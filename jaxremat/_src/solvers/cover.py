@@ -208,6 +208,7 @@ def cover_computes(
   budget_bytes: int,
   deadline: float,
   staged: bool = False,
+  forbidden: frozenset[int] = frozenset(),
 ) -> list[int] | None:
   """Adds recomputations to ``computes`` until its peak fits ``budget_bytes``.
 
@@ -219,6 +220,7 @@ def cover_computes(
     staged: keep every compute where it is (only add recomputations), so that first
       computes stay in the order of ``computes``; otherwise a compute may also move
       to just before its first reader.
+    forbidden: nodes not to recompute.
 
   Returns:
     The longer compute sequence, or None when no split removes the remaining excess,
@@ -244,7 +246,7 @@ def cover_computes(
       if stalls > _MAX_STALLS:
         return None
     least_excess = min(least_excess, excess)
-    splits = _splits(arrays, timeline, budget_bytes, staged)
+    splits = [s for s in _splits(arrays, timeline, budget_bytes, staged) if s[4] not in forbidden]
     if not splits:
       return None
     # Free splits first (all that do not overlap), then the splits within a share of the
@@ -283,18 +285,21 @@ def improve_computes(
   deadline: float,
   trials: int | None = None,
   staged: bool = False,
+  tabu: bool = False,
 ) -> list[int]:
   """Ruin and recreate: a shorter compute sequence within budget, or ``computes``.
 
   Each trial deletes up to `_RUIN_SIZE` recomputations (chosen by a seeded generator,
   the costlier more often), repairs with `cover_computes`, prunes, and keeps the result
   when it is shorter. Runs ``trials`` trials (default `_TRIALS`) or until ``deadline``.
+  With ``tabu``, every other repair may not recompute the ruined nodes again: the greedy
+  often puts the same ones back where several cheaper ones elsewhere would do.
   """
   best = list(computes)
   best_duration = _duration(graph, best)
   rng = random.Random(_SEED)
   trials = _TRIALS if trials is None else trials
-  for _ in range(trials):
+  for i in range(trials):
     if time.perf_counter() > deadline:
       break
     positions = _recompute_positions(best)
@@ -303,7 +308,8 @@ def improve_computes(
     weights = [graph.cost[best[k]] + 1e-9 for k in positions]
     ruined = set(rng.choices(positions, weights, k=min(_RUIN_SIZE, len(positions))))
     trial = [v for k, v in enumerate(best) if k not in ruined]
-    repaired = cover_computes(graph, trial, budget_bytes, deadline, staged)
+    forbidden = frozenset(best[k] for k in ruined) if tabu and i % 2 else frozenset()
+    repaired = cover_computes(graph, trial, budget_bytes, deadline, staged, forbidden)
     if repaired is None:
       continue
     repaired = prune_recomputes(graph, repaired, budget_bytes, deadline, _PRUNE_TRIALS)

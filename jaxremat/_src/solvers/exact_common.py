@@ -14,7 +14,7 @@ from jaxremat._src.graph import RematGraph
 from jaxremat._src.schedule import Schedule, schedule_from_computes
 from jaxremat._src.simulate import simulate
 from jaxremat._src.solvers.base import Progress, ProgressCallback
-from jaxremat._src.solvers.cover import solve_cover, solve_cover_staged
+from jaxremat._src.solvers.cover import improve_computes, solve_cover, solve_cover_staged
 from jaxremat._src.solvers.greedy import solve_xla_greedy
 
 # Integer costs are scaled so that the largest is about this many units when the graph's
@@ -229,12 +229,13 @@ def best_greedy_computes(
 def warm_start_computes(
   graph: RematGraph, budget_bytes: int, staged: bool, time_limit_s: float
 ) -> list[int] | None:
-  """The shortest sequence within budget of the fast heuristics, or None.
+  """The shortest sequence within budget of the fast heuristics, refined, or None.
 
   Candidates, in this order until ``time_limit_s``: `cover` (``cover-staged`` when
   ``staged``: every compute in place), `xla-greedy` (on the input order; with
-  ``staged=False`` also on `reorder`'s order) and `best_greedy_computes`. With
-  ``staged=True`` every candidate keeps the first computes in the input order, so it fits
+  ``staged=False`` also on `reorder`'s order) and `best_greedy_computes`. The shortest
+  is refined by `improve_computes` with tabu repairs for the time left. With
+  ``staged=True`` every sequence keeps the first computes in the input order, so it fits
   the staged model.
   """
   deadline = time.perf_counter() + time_limit_s
@@ -252,4 +253,8 @@ def warm_start_computes(
   own = best_greedy_computes(graph, budget_bytes, max(deadline - time.perf_counter(), 0.0))
   if own is not None:
     found.append(own)
-  return min(found, key=lambda computes: duration_of(graph, computes)) if found else None
+  if not found:
+    return None
+  best = min(found, key=lambda computes: duration_of(graph, computes))
+  # The rest of the time refines it with tabu repairs (segnet at 0.8: 0.225% -> 0.210%).
+  return improve_computes(graph, best, budget_bytes, deadline, staged=staged, tabu=True)

@@ -384,8 +384,9 @@ def solve_moccasin(
     precedence: "reservoir" (the paper's encoding) or "cover" (a literal per pair of
       copies; equivalent, slower on the benchmark graphs tried).
     warm_start: without ``hint``, start from the best heuristic sequence within budget
-      (`warm_start_computes`: `cover`, `xla-greedy` and greedy evict-and-recompute) when one
-      exists; phase 1 is skipped when its duration increase is at most 10%.
+      (`warm_start_computes`: `cover`, `xla-greedy` and greedy evict-and-recompute, refined
+      by tabu ruin-and-recreate) when one exists; phase 1 is skipped when its duration
+      increase is at most 10%.
     parameters: CP-SAT parameters (``SatParameters`` field name -> value) on top of
       `DEFAULT_PARAMETERS`.
     log_search: print CP-SAT's search log.
