@@ -27,6 +27,7 @@ from jaxremat._src.graph import RematGraph
 from jaxremat._src.schedule import Schedule, schedule_from_computes
 from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solvers.base import Progress, ProgressCallback, available_solvers, get_solver
+from jaxremat._src.solvers.exact_common import is_staged
 from jaxremat._src.solvers.reorder import memory_minimizing_order
 
 # Heuristics in the order they run. cover-staged is the fastest to find a schedule on
@@ -53,12 +54,6 @@ _EXACT_MARGIN = 0.1
 # Without a hint it can use, the exact solver runs on graphs up to this many nodes only
 # (rl1000: 44 s for a 24 s limit at load 19, and nothing found), unless nothing else fit.
 _EXACT_MAX_NODES_WITHOUT_HINT = 500
-
-
-def is_staged(graph: RematGraph, computes: Sequence[int]) -> bool:
-  """Whether the first compute of every node follows ``graph.order`` (MOCCASIN's staged model)."""
-  first = list(dict.fromkeys(computes))
-  return first == list(graph.order)
 
 
 def solve_auto(

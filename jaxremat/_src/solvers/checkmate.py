@@ -29,6 +29,7 @@ from jaxremat._src.solvers.exact_common import (
   checked_schedule,
   duration_of,
   integer_costs,
+  is_staged,
   memory_unit,
   warm_start_computes,
 )
@@ -186,7 +187,7 @@ def _staged_hint(
   and the value of every R and S variable; None when the first computes leave the input
   order or a stage computes a node twice, which the model cannot say.
   """
-  if list(dict.fromkeys(computes)) != list(milp.order):
+  if not is_staged(graph, computes):
     return None
   position = {v: k for k, v in enumerate(milp.order)}
   R: set[tuple[int, int]] = set()
@@ -269,15 +270,16 @@ def solve_checkmate(
   if heuristic is None and warm_start:
     heuristic = warm_start_computes(graph, budget_bytes, True, WARM_START_SHARE * time_limit_s)
   milp = _build(graph, budget_bytes, solver, True, clock, time_limit_s)
-  staged = _staged_hint(milp, graph, heuristic) if heuristic is not None else None
+  rewritten = _staged_hint(milp, graph, heuristic) if heuristic is not None else None
   start = None  # the warm start in the model's stages, when it fits the budget there
-  if staged is not None:
-    result = simulate(graph, schedule_from_computes(graph, staged[0]))
+  if rewritten is not None:
+    in_order, values = rewritten
+    result = simulate(graph, schedule_from_computes(graph, in_order))
     if result.valid and result.peak_bytes <= budget_bytes:
-      start = staged[0]
+      start = in_order
       clock.improved(result.duration, message="checkmate: warm start")
       if solver.backend_name in HINT_BACKENDS:
-        solver.SetHint([x for x, _ in staged[1]], [value for _, value in staged[1]])
+        solver.SetHint([x for x, _ in values], [value for _, value in values])
   solver.SetTimeLimit(max(1, int(1000 * (time_limit_s - clock.elapsed_s()))))
   solver.SetNumThreads(max(1, int(workers)))
   if log_search:

@@ -44,6 +44,12 @@ def memory_unit(graph: RematGraph) -> int:
   return math.gcd(*(graph.mem[v] for v in graph.order)) or 1
 
 
+def is_staged(graph: RematGraph, computes: Sequence[int]) -> bool:
+  """Whether the first compute of every node follows ``graph.order`` (the staged model of
+  MOCCASIN, and Checkmate's stages)."""
+  return list(dict.fromkeys(computes)) == list(graph.order)
+
+
 def duration_of(graph: RematGraph, computes: Sequence[int]) -> float:
   return float(sum(graph.cost[v] for v in computes))
 
