@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -116,6 +117,31 @@ def _device_peak(which: str) -> dict:
     timeout=600,
   )
   return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _reduction_blocks(fn, *args) -> list[set[str]]:
+  """The opcodes of each computation of the optimized HLO that reduces."""
+  hlo = jax.jit(fn).lower(*args).compile().as_text()
+  return [
+    set(re.findall(r"= \S+ ([a-z][\w-]*)\(", block))
+    for block in hlo.split("\n\n")
+    if re.search(r"= \S+ reduce\(", block)
+  ]
+
+
+def test_reductions_duplicate_producers_exactly_where_the_facts_say():
+  """What `jaxremat.trace` folds into a reduction's node is what XLA fuses into it."""
+  x = jnp.ones((256, 64))
+  # Read by the reduction alone: fused on every backend.
+  (alone,) = _reduction_blocks(lambda x, y: jnp.sum(jnp.exp(x - 1.0) * y, axis=0), x, x)
+  assert {"exponential", "multiply"} <= alone
+  # Read by the reduction and by another fusion: duplicated into both, or materialized.
+  blocks = _reduction_blocks(lambda x, y: (jnp.sum(x * y, axis=0), x * y - 2.0), x, x)
+  assert blocks
+  assert any("multiply" in ops for ops in blocks) == FACTS.reductions_duplicate_producers
+  # An integer sum is a loop fusion on every backend: a compare it shares is duplicated.
+  hlo = jax.jit(lambda x: (jnp.sum(x > 0.5, dtype=jnp.int32), jnp.where(x > 0.5, x, 0.0) * 2))
+  assert hlo.lower(x).compile().as_text().count(" compare(") >= 2
 
 
 @pytest.mark.accelerator

@@ -44,6 +44,13 @@ class BackendFacts:
       only on GPU and TPU.
     tolerances: (rtol, atol) by dtype name for outputs of an optimized function against
       the original; integer and boolean outputs must match exactly.
+    reductions_duplicate_producers: whether a reduction's fusion may compute a value that
+      other fusions also read (XLA duplicates cheap values into each reader). XLA:CPU runs
+      sums, maxima and minima as YNNPACK fusions (``__ynn_fusion``) that take in only
+      values they alone read: a value read by a reduction and by anything else is
+      materialized, and `jaxremat.trace` keeps it as a node. GPU and TPU are assumed to
+      keep XLA's instruction fusion, which duplicates into reductions as into loops (not
+      yet measured there; tests/test_backends.py checks it on whichever backend runs).
   """
 
   platform: str
@@ -51,6 +58,7 @@ class BackendFacts:
   barrier_holds: bool
   device_memory_stats: bool
   tolerances: Mapping[str, tuple[float, float]]
+  reductions_duplicate_producers: bool
 
   def tolerance(self, dtype: object) -> tuple[float, float]:
     """(rtol, atol) for arrays of ``dtype``; (0, 0) for integers, booleans and keys."""
@@ -62,10 +70,10 @@ _FACTS = {
   # XLA:CPU needs a data-dependent fence: "select" held on every schedule of
   # benchmarks/emit.py and stayed closest to the planned peak ("cond" copies every routed
   # value at once).
-  "cpu": BackendFacts("cpu", "select", False, False, _CPU_TOLERANCES),
+  "cpu": BackendFacts("cpu", "select", False, False, _CPU_TOLERANCES, False),
   # The barrier holds on GPU and TPU, and a cond would cost a host round trip there.
-  "gpu": BackendFacts("gpu", "barrier", True, True, _GPU_TOLERANCES),
-  "tpu": BackendFacts("tpu", "barrier", True, True, _TPU_TOLERANCES),
+  "gpu": BackendFacts("gpu", "barrier", True, True, _GPU_TOLERANCES, True),
+  "tpu": BackendFacts("tpu", "barrier", True, True, _TPU_TOLERANCES, True),
 }
 
 

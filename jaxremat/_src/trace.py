@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxremat._src import compat, costs, jaxpr_text
+from jaxremat._src.backends import backend_facts
 from jaxremat._src.graph import Node, RematGraph
 
 # -- the Program: a flat jaxpr and the graph over it --------------------------------------
@@ -437,7 +438,8 @@ FUSIBLE_PRIMITIVES = frozenset(
     *compat.NEW_ELEMENTWISE_PRIMITIVES,
   }
 )
-# Consumers whose fusion can absorb fusible producers (loop and input fusion on XLA:CPU).
+# Consumers whose fusion can absorb fusible producers (loop and input fusion); on XLA:CPU a
+# reduction takes no duplicated ones (`BackendFacts.reductions_duplicate_producers`).
 FUSING_CONSUMERS = FUSIBLE_PRIMITIVES | frozenset(
   {
     "reduce_sum",
@@ -453,6 +455,9 @@ FUSING_CONSUMERS = FUSIBLE_PRIMITIVES | frozenset(
   }
 )
 HIGHER_ORDER_PRIMITIVES = frozenset({"scan", "while", "cond"})
+# The reductions XLA:CPU runs as YNNPACK fusions (``__ynn_fusion`` in its optimized HLO),
+# when they reduce floating-point values; integer sums are loop fusions.
+YNN_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 
 
 # Elementwise operations XLA will not duplicate into several consumers (too costly).
@@ -507,8 +512,38 @@ def _duplicable(eqn: Any) -> bool:
   return True
 
 
+def _at_most_unary(eqn: Any, made_by: dict[Any, Any]) -> bool:
+  """Whether at most one operand of ``eqn`` is large: XLA duplicates such a producer freely.
+
+  XLA's rule (``EffectivelyAtMostUnary`` in its instruction fusion): duplicating a producer
+  that reads one large array adds no memory traffic, so it may be fused into readers that
+  are themselves duplicated, in chains. An operand is small when it has fewer dimensions
+  of size > 1 than the output, or is a broadcast or an iota.
+  """
+
+  def true_ndim(v: Any) -> int:
+    return sum(d > 1 for d in getattr(v.aval, "shape", ()))
+
+  def large(v: Any) -> bool:
+    if isinstance(v, compat.Literal):
+      return False
+    producer = made_by.get(v)
+    if producer is not None and producer.primitive.name in ("broadcast_in_dim", "iota"):
+      return False
+    return true_ndim(v) >= out_ndim
+
+  out_ndim = max(true_ndim(v) for v in eqn.outvars)
+  return sum(map(large, eqn.invars)) <= 1
+
+
+def _ynn_reduction(eqn: Any) -> bool:
+  return eqn.primitive.name in YNN_REDUCTIONS and jax.numpy.issubdtype(
+    eqn.invars[0].aval.dtype, np.floating
+  )
+
+
 def _group_equations(
-  jaxpr: Any, fold: bool
+  jaxpr: Any, fold: bool, reductions_duplicate: bool = True
 ) -> tuple[list[list[int]], set[int], set[int], dict[Any, int]]:
   """Groups equation indices into nodes; each group's last equation is its root.
 
@@ -516,7 +551,11 @@ def _group_equations(
   read by equations of one group, each able to fuse it, and none a function output,
   joins that group. A cheap one read by several such groups stays a group of its own
   that XLA duplicates into each reader (returned in the second set: its value is
-  never materialized). Every edge then runs from an earlier root to a later one.
+  never materialized); into readers that are duplicated themselves only when it reads
+  one large array (`_at_most_unary`). Every edge then runs from an earlier root to a
+  later one.
+  Unless ``reductions_duplicate``, a value read by a reduction (one XLA:CPU runs as a
+  YNNPACK fusion) and by another group is materialized, not duplicated.
 
   Returns the groups, the duplicated groups, the dot groups fused into their readers
   (`_dot_epilogues`, a subset of neither) and the values XLA keeps at a larger size
@@ -529,9 +568,11 @@ def _group_equations(
       if isinstance(v, compat.Var) and not isinstance(v, compat.Literal):
         readers.setdefault(v, []).append(k)
   outvars = {v for v in jaxpr.outvars if isinstance(v, compat.Var)}
+  made_by = {v: e for e in eqns for v in e.outvars}
   group_of = [-1] * len(eqns)
   groups: list[list[int]] = []
   duplicated: set[int] = set()
+  reductions: set[int] = set()  # groups no duplicated value is fused into
   for k in range(len(eqns) - 1, -1, -1):
     eqn = eqns[k]
     target = None
@@ -542,14 +583,18 @@ def _group_equations(
       if rs and not any(v in outvars for v in outs):
         gs = {group_of[r] for r in rs}
         fusing = all(eqns[r].primitive.name in FUSING_CONSUMERS for r in rs)
+        if gs & reductions:
+          fusing = len(gs) == 1  # the reduction's fusion takes it in only as its sole reader
         if len(gs) == 1 and fusing:
           target = gs.pop()
-        elif fusing and _duplicable(eqn) and not gs & duplicated:
+        elif fusing and _duplicable(eqn) and (not gs & duplicated or _at_most_unary(eqn, made_by)):
           dup = True
     if target is None:
       group_of[k] = len(groups)
       if dup:
         duplicated.add(len(groups))
+      if not reductions_duplicate and _ynn_reduction(eqn):
+        reductions.add(len(groups))
       groups.append([k])
     else:
       group_of[k] = target
@@ -833,7 +878,9 @@ def build_program(
   """
   jaxpr = closed.jaxpr
   n_in = len(jaxpr.invars) + len(jaxpr.constvars)
-  groups, duplicated, epilogues, materialized = _group_equations(jaxpr, fold)
+  groups, duplicated, epilogues, materialized = _group_equations(
+    jaxpr, fold, backend_facts().reductions_duplicate_producers
+  )
   producer: dict[Any, int] = {}
   for i, v in enumerate([*jaxpr.invars, *jaxpr.constvars]):
     producer[v] = i
@@ -856,8 +903,9 @@ def build_program(
           edges.add((u, v_node))
           exported[u].add(v)
   # XLA recomputes a duplicated value inside each reader's fusion: its operands, not
-  # the value, stay live until the last reader.
-  for d in duplicated | epilogues:
+  # the value, stay live until the last reader. In root order, so that the sources of a
+  # chain of duplicated values reach the readers at its end.
+  for d in sorted(duplicated | epilogues):
     d_node = n_in + d
     sources = [u for u, w in edges if w == d_node]
     sinks = [w for u, w in edges if u == d_node]
