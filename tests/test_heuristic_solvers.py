@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import networkx as nx
 import pytest
 from conftest import SHARED_GRAPHS, shared_graph
 
@@ -232,6 +234,27 @@ def test_chen_greedy_and_ap_variants_fit_budgets_on_chains():
     s = jaxremat.solve(g, 0.6, solver)
     assert s.stats["peak_bytes"] <= math.ceil(0.6 * peak)
     assert 0 < s.stats["n_recompute"] <= 16
+
+
+def test_ap_checkpoints_are_points_no_forward_edge_passes_over():
+  """An articulation point that cuts off a side branch does not end a segment.
+
+  Forward a=1 -> b=2 -> c=3 -> d=5 with a -> c and a side leaf b -> s=4, run as a, b,
+  s, c, d: b is an articulation point (it alone holds s), but c still reads a, so a
+  checkpoint at b would drop a and recompute it at once. Only c separates the order.
+  """
+  edges = [(0, 1), (1, 2), (2, 3), (1, 3), (2, 4), (3, 5), (4, 6), (5, 6)]
+  g = RematGraph.build([1, 8, 8, 8, 8, 8, 1], [1] * 7, edges, inputs=[0], order=[1, 2, 4, 3, 5, 6])
+  backward = {6}
+  g = dataclasses.replace(
+    g,
+    nodes=tuple(
+      dataclasses.replace(n, attrs={**n.attrs, "backward": n.id in backward}) for n in g.nodes
+    ),
+  )
+  forward = nx.Graph([(u, v) for u, v in edges if 0 < u and v not in backward])
+  assert set(nx.articulation_points(forward)) == {2, 3}
+  assert checkpoint_candidates(g, g.order, "ap") == [3]
 
 
 @pytest.mark.parametrize("snapshots", [0, 1, 2, 3])

@@ -404,8 +404,9 @@ def _closed_loop(
   """Solves with ``solver`` and compiles; while XLA measures over budget, plans tighter.
 
   The model and XLA count the same bytes but XLA adds some (buffers it holds longer,
-  workspace, its own order): each round takes what XLA measured beyond the budget off
-  the planning budget. Stops at the first plan XLA confirms.
+  workspace, its own order): each round plans below the last plan's peak by what XLA
+  measured beyond the budget (`next_planning_budget`). Stops at the first plan XLA
+  confirms.
 
   Raises:
     InfeasibleBudgetError: the first solve proved the budget infeasible.
@@ -442,8 +443,24 @@ def _closed_loop(
       compiled.peak_bytes,
       budget_bytes,
     )
-    planning -= compiled.peak_bytes - budget_bytes + int(_REPLAN_MARGIN * budget_bytes)
+    planning = next_planning_budget(
+      planning, schedule.stats["peak_bytes"], compiled.peak_bytes, budget_bytes
+    )
   return tried
+
+
+def next_planning_budget(
+  planning_bytes: int, predicted_bytes: int, measured_bytes: int, budget_bytes: int
+) -> int:
+  """The planning budget after a plan that XLA measured over the budget.
+
+  XLA is taken to add to the next plan what it added to this one, plus a margin, so the
+  next plan must be that far below this plan's own peak. This plan's peak, not the
+  planning budget: a segment planner's plan may sit well under the planning budget, and
+  a budget cut short of its peak would return the same plan.
+  """
+  overshoot = measured_bytes - budget_bytes + int(_REPLAN_MARGIN * budget_bytes)
+  return min(planning_bytes, predicted_bytes) - overshoot
 
 
 @dataclasses.dataclass(frozen=True)

@@ -537,6 +537,7 @@ def _at_most_unary(eqn: Any, made_by: dict[Any, Any]) -> bool:
 
 
 def _ynn_reduction(eqn: Any) -> bool:
+  """Whether XLA:CPU runs ``eqn`` as a YNNPACK reduction (see `YNN_REDUCTIONS`)."""
   return eqn.primitive.name in YNN_REDUCTIONS and jax.numpy.issubdtype(
     eqn.invars[0].aval.dtype, np.floating
   )

@@ -8,7 +8,8 @@ ones and keeps them until their last use, so each segment is replayed about once
 Two choices of candidate checkpoints (Checkmate, appendix B):
   * linearized: every forward node of the topological order (the DAG read as a chain);
   * articulation points (``-ap``): forward nodes whose removal disconnects the
-    undirected forward graph, so that a checkpoint alone separates the segments.
+    undirected forward graph and that no forward edge passes over in the order, so
+    that a checkpoint alone separates the segments.
 
 Two rules to place them:
   * ``chen-sqrtn``: every s-th candidate, s searched from sqrt(n) to meet the budget;
@@ -63,8 +64,30 @@ def checkpoint_candidates(graph: RematGraph, order: Sequence[int], variant: str)
     undirected.add_nodes_from(forward)
     undirected.add_edges_from((u, v) for u, v in graph.edges if u in forward and v in forward)
     cut = set(nx.articulation_points(undirected))
-    return [v for v in order if v in cut]
+    return [v for v in _order_separators(graph, order, forward) if v in cut]
   raise ValueError(f"variant={variant!r} must be 'linearized' or 'ap'.")
+
+
+def _order_separators(graph: RematGraph, order: Sequence[int], forward: set[int]) -> list[int]:
+  """Forward nodes, in ``order``, that no forward edge passes over.
+
+  A checkpoint drops the values of its segment; that is only right when no later forward
+  node reads one of them. An articulation point that cuts off a side branch (a variance
+  reduction, say) is not such a point: the next node may read the value before it.
+  """
+  pos = {v: t for t, v in enumerate(order)}
+  last_read = {v: pos[v] for v in forward}
+  for u, w in graph.edges:
+    if u in forward and w in forward:
+      last_read[u] = max(last_read[u], pos[w])
+  out, reach = [], -1  # reach: the last position read by a node before the current one
+  for t, v in enumerate(order):
+    if v not in forward:
+      continue
+    if reach <= t:
+      out.append(v)
+    reach = max(reach, last_read[v])
+  return out
 
 
 def segment_computes(
