@@ -2,7 +2,7 @@
 
 For each example training step (examples/: loss, value_and_grad, Adam) it measures, with
 XLA's own figures (memory_analysis peak = argument + output + temp - alias, cost_analysis
-FLOPs, median wall time):
+FLOPs, median wall time of calls timed in turn):
 
 * no remat (the reference: budgets are fractions of its peak);
 * the jax.checkpoint variants a user would try (`examples._common.CHECKPOINT_VARIANTS`):
@@ -34,6 +34,7 @@ import csv
 import json
 import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -85,10 +86,24 @@ def _figures(m: jaxremat.Measurement, base: jaxremat.Measurement, budgets_bytes:
     "peak_ratio": m.peak_bytes / base.peak_bytes,
     "flops": m.flops,
     "flops_ratio": m.flops / base.flops if m.flops and base.flops else None,
-    "wall_time_s": m.wall_time_s,
-    "time_ratio": m.wall_time_s / base.wall_time_s,
     "meets": {str(b): m.peak_bytes <= n for b, n in budgets_bytes.items()},
   }
+
+
+def interleaved_times_s(calls: list, args, runs: int) -> list[float]:
+  """Median seconds per call of each function, timed in turn, round after round.
+
+  One untimed round first. Interleaving spreads a shared machine's drift over every
+  method alike; timing each method's calls together biased whichever went first.
+  """
+  times: list[list[float]] = [[] for _ in calls]
+  for k in range(runs + 1):
+    for fn, t in zip(calls, times, strict=True):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      if k:
+        t.append(time.perf_counter() - start)
+  return [statistics.median(t) for t in times]
 
 
 def run_example(name: str, budgets, time_limit_s: float, runs: int, small: bool) -> list[dict]:
@@ -100,23 +115,23 @@ def run_example(name: str, budgets, time_limit_s: float, runs: int, small: bool)
     return _common.make_train_step(_common.checkpointed_loss(module, variant), params, batch)
 
   step, args = step_for(None)
-  base = jaxremat.measure(step, *args, runs=runs)
-  reference = jax.jit(step)(*args)
+  base = jaxremat.measure(step, *args, runs=0)
+  timed = [jax.jit(step)]  # the rows' compiled steps, timed together at the end
+  reference = timed[0](*args)
   budgets_bytes = {b: jaxremat.parse_budget(b, base.peak_bytes) for b in budgets}
   common = {"example": name, "sizes": "small" if small else "default"}
   rows = [
     {**common, "method": "no remat", **_figures(base, base, budgets_bytes)}
     | agreement(reference, reference)
   ]
-  _print_row(rows[-1])
   for variant in _common.CHECKPOINT_VARIANTS:
     step, args = step_for(variant)
-    m = jaxremat.measure(step, *args, runs=runs)
+    m = jaxremat.measure(step, *args, runs=0)
+    timed.append(jax.jit(step))
     rows.append(
       {**common, "method": f"jax.checkpoint {variant}", **_figures(m, base, budgets_bytes)}
-      | agreement(jax.jit(step)(*args), reference)
+      | agreement(timed[-1](*args), reference)
     )
-    _print_row(rows[-1])
 
   step, args = step_for(None)
   for budget in budgets:
@@ -132,9 +147,9 @@ def run_example(name: str, budgets, time_limit_s: float, runs: int, small: bool)
       row.update(error=f"{type(e).__name__}: {e}", plan_s=time.perf_counter() - start)
       row["min_feasible_bytes"] = getattr(e, "min_feasible_bytes", None)
       rows.append(row)
-      _print_row(row)
       continue
-    m = jaxremat.measure(plan.compiled, *args, runs=runs)
+    m = jaxremat.measure(plan.compiled, *args, runs=0)
+    timed.append(plan.compiled)
     row.update(_figures(m, base, budgets_bytes))
     row.update(agreement(plan.compiled(*args), reference))
     stats = plan.schedule.stats
@@ -152,6 +167,10 @@ def run_example(name: str, budgets, time_limit_s: float, runs: int, small: bool)
       n_recompute=stats.get("n_recompute"),
     )
     rows.append(row)
+  times_s = interleaved_times_s(timed, args, runs)
+  for row, t in zip([r for r in rows if "error" not in r], times_s, strict=True):
+    row.update(wall_time_s=t, time_ratio=t / times_s[0])
+  for row in rows:
     _print_row(row)
   return rows
 
