@@ -287,8 +287,7 @@ def _make_plan(
     cached = None
   if cached is not None:
     info = cached.stats["optimize"]
-    pin = info.get("pin", "recomputations")
-    compiled = _compile(program, cached, fence, args, kwargs, donate_argnums, pin)
+    compiled = _compile(program, cached, fence, args, kwargs, donate_argnums)
     measured = compiled.peak_bytes
     if measured <= info.get("budget_bytes", -1):
       return Plan(
@@ -353,7 +352,6 @@ def _make_plan(
         "budget_bytes": budget_bytes,
         "baseline_peak_bytes": baseline,
         "attempts": [dataclasses.asdict(a) for a in attempts],
-        "pin": compiled.pin,
       },
     }
   )
@@ -433,7 +431,7 @@ def _closed_loop(
     except NoScheduleFoundError as e:
       logger.info("jaxremat: %s", e)
       break
-    compiled = _compile_best(program, schedule, fence, args, kwargs, donate_argnums, budget_bytes)
+    compiled = _compile(program, schedule, fence, args, kwargs, donate_argnums)
     met = compiled.peak_bytes <= budget_bytes
     attempt = Attempt(solver, planning, schedule.stats["peak_bytes"], compiled.peak_bytes)
     tried.append(_Tried(attempt, schedule, compiled, met))
@@ -471,33 +469,17 @@ class _Compiled:
   run: Callable[..., Any]  # jitted, with the donation asked for
   peak_bytes: int
   compile_time_s: float
-  pin: str  # what `emit` pinned to the plan's order
 
 
-def _compile(
-  program, schedule, fence, args, kwargs, donate_argnums, pin="recomputations"
-) -> _Compiled:
-  emitted = emit(program, schedule, fence=fence, pin=pin)
+def _compile(program, schedule, fence, args, kwargs, donate_argnums) -> _Compiled:
+  # Pinning every event to the plan's order raised XLA's peak on small training steps,
+  # whose jaxpr order runs the optimizer update worse than XLA's own scheduler
+  # (tests/test_optimize.py); the closed loop fences recomputations only.
+  emitted = emit(program, schedule, fence=fence, pin="recomputations")
   jitted = jax.jit(emitted, donate_argnums=donate_argnums)
   start = time.perf_counter()
   compiled = jitted.lower(*args, **kwargs).compile()
-  peak = compat.memory_peak_bytes(compiled)
-  return _Compiled(emitted, jitted, peak, time.perf_counter() - start, pin)
-
-
-def _compile_best(program, schedule, fence, args, kwargs, donate_argnums, budget_bytes):
-  """Compiles with recomputations pinned, and with every event pinned if that is over.
-
-  Neither wins everywhere: pinning every event raised XLA's peak on small training steps,
-  whose jaxpr order runs the optimizer update worse than XLA's own scheduler
-  (tests/test_optimize.py), while on ResNet's step at 0.5 XLA reordered a segment plan's
-  first computations to 29.2 MB, and the plan's own order measured 19.6 MB.
-  """
-  compiled = _compile(program, schedule, fence, args, kwargs, donate_argnums)
-  if compiled.peak_bytes <= budget_bytes:
-    return compiled
-  ordered = _compile(program, schedule, fence, args, kwargs, donate_argnums, pin="all")
-  return ordered if ordered.peak_bytes < compiled.peak_bytes else compiled
+  return _Compiled(emitted, jitted, compat.memory_peak_bytes(compiled), time.perf_counter() - start)
 
 
 def _check(v) -> None:
