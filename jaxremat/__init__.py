@@ -1,12 +1,11 @@
 """jaxremat: make a JAX training step fit a memory budget at the least extra compute."""
 
 from jaxremat._src.api import OptimizedFunction as OptimizedFunction
-from jaxremat._src.api import Plan as Plan
-from jaxremat._src.api import Report as Report
 from jaxremat._src.api import optimize as optimize
 from jaxremat._src.budget import parse_budget as parse_budget
 from jaxremat._src.emit import emit as emit
 from jaxremat._src.errors import BudgetError as BudgetError
+from jaxremat._src.errors import BudgetNotMetError as BudgetNotMetError
 from jaxremat._src.errors import FormatError as FormatError
 from jaxremat._src.errors import InfeasibleBudgetError as InfeasibleBudgetError
 from jaxremat._src.errors import JaxrematError as JaxrematError
@@ -19,6 +18,8 @@ from jaxremat._src.graph import RematGraph as RematGraph
 from jaxremat._src.measure import Measurement as Measurement
 from jaxremat._src.measure import measure as measure
 from jaxremat._src.minimize import minimize_peak as minimize_peak
+from jaxremat._src.planner import Plan as Plan
+from jaxremat._src.report import Report as Report
 from jaxremat._src.schedule import Schedule as Schedule
 from jaxremat._src.schedule import schedule_from_computes as schedule_from_computes
 from jaxremat._src.simulate import SimulationResult as SimulationResult
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
   "BudgetError",
+  "BudgetNotMetError",
   "FormatError",
   "InfeasibleBudgetError",
   "JaxrematError",

@@ -190,15 +190,21 @@ def test_damaged_cache_file_is_ignored_with_a_warning(planned, damage, warning):
   assert _entry(path)["format"] == "jaxremat.plan/1"  # rewritten whole
 
 
-def test_a_plan_without_its_budget_figures_is_not_used(planned, caplog):
+def test_a_cached_plan_is_measured_not_trusted(planned, caplog):
+  """A cached schedule that XLA measures over the budget (here the no-remat one, valid for
+  the graph) is not used: the planner compiles and measures every plan it reads."""
   cache_dir, path = planned
   entry = _entry(path)
-  del entry["schedule"]["stats"]["optimize"]
+  graph = jaxremat.trace(_mlp_step, W, X, costs="shape")
+  entry["schedule"] = jaxremat.baseline_schedule(graph).to_dict()
   path.write_text(json.dumps(entry))
-  with caplog.at_level("WARNING", logger="jaxremat"):
+  with caplog.at_level("INFO", logger="jaxremat"):
     plan = _replan(cache_dir)
-  assert not plan.from_cache
-  assert "lacks its budget figures" in caplog.text
+  assert not plan.from_cache and plan.measured_peak_bytes <= plan.budget_bytes
+  assert (
+    plan.attempts[0].origin == "cache" and plan.attempts[0].measured_peak_bytes > plan.budget_bytes
+  )
+  assert "(cache) measures" in caplog.text
 
 
 def _other_step(w, x):

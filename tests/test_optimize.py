@@ -6,14 +6,15 @@ import json
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from backend import assert_trees_allclose
 
 import jaxremat
-from jaxremat._src.api import _REPLAN_MARGIN, next_planning_budget
 from jaxremat._src.demo import make_mlp_step
 from jaxremat._src.plan_cache import PlanCache, fingerprint
+from jaxremat._src.planner import _REPLAN_MARGIN, PlanOptions, _cache_keys, next_planning_budget
 
 
 def _small_step():
@@ -85,13 +86,84 @@ def test_optimized_step_trains_like_the_original(tmp_path):
   assert_trees_allclose(p2, p1)
 
 
-def test_an_impossible_budget_names_the_smallest_one(tmp_path):
+def test_an_impossible_budget_names_a_proven_bound(tmp_path):
   step, args = _small_step()
   fast = jaxremat.optimize(step, budget=0.05, solver="auto", time_limit=5, cache_dir=tmp_path)
   with pytest.raises(jaxremat.InfeasibleBudgetError) as info:
     fast(*args)
+  # The proof: XLA holds the step's arguments and outputs, whatever the plan.
+  m = jaxremat.measure(step, *args, runs=0)
+  assert info.value.min_feasible_bytes == m.argument_bytes + m.output_bytes - m.alias_bytes
   assert info.value.min_feasible_bytes > info.value.budget_bytes
-  assert "Raise the budget to at least" in str(info.value)
+  assert "holds its arguments" in str(info.value) and "no schedule goes below it" in str(info.value)
+
+
+def test_a_budget_no_plan_meets_hands_out_the_best_plan_and_its_peak_is_met_on_retry(tmp_path):
+  """Above the proven bound but below what any plan reaches: no InfeasibleBudgetError
+  (nothing is proven), but the best plan, verified, and a budget that a retry meets."""
+  step, args = _small_step()
+  fast = jaxremat.optimize(step, budget=0.33, time_limit=20, cache_dir=tmp_path)
+  with pytest.raises(jaxremat.BudgetNotMetError) as info:
+    fast(*args)
+  err = info.value
+  assert err.lower_bound_bytes <= err.budget_bytes < err.measured_peak_bytes
+  assert err.plan.verification is not None and err.plan.verification.outputs_match
+  assert_trees_allclose(err.plan.compiled(*args), jax.jit(step)(*args))
+  again = jaxremat.optimize(step, budget=err.measured_peak_bytes, time_limit=20, cache_dir=tmp_path)
+  plan = again.plan(*args)
+  assert plan.measured_peak_bytes <= err.measured_peak_bytes
+
+
+def test_max_replans_bounds_the_plans_compiled(tmp_path):
+  step, args = _small_step()
+  fast = jaxremat.optimize(
+    step, budget=0.36, time_limit=20, max_replans=0, cache_dir=tmp_path, use_cache=False
+  )
+  with pytest.raises(jaxremat.BudgetNotMetError) as info:
+    fast(*args)
+  assert len(info.value.plan.attempts) == 1
+
+
+def test_time_limit_bounds_the_whole_first_call(tmp_path):
+  step, args = _small_step()
+  fast = jaxremat.optimize(step, budget=0.7, time_limit=4, cache_dir=tmp_path)
+  plan = fast.plan(*args)
+  assert plan.measured_peak_bytes <= plan.budget_bytes
+  # Solves take what is left after a reserve for compiling and verifying; a compile in
+  # flight is not cut short, so allow one more compile and verification.
+  assert plan.plan_time_s <= 4 + 3 * plan.compile_time_s + 2.0, plan.plan_time_s
+
+
+def test_cached_plans_are_verified_and_keyed_by_what_changes_the_compiled_step(tmp_path):
+  step, args = _small_step()
+  jaxremat.optimize(step, budget=0.8, time_limit=10, cache_dir=tmp_path)(*args)
+  cached = jaxremat.optimize(step, budget=0.8, time_limit=10, cache_dir=tmp_path).plan(*args)
+  assert cached.from_cache and cached.verification is not None
+  assert cached.verification.outputs_match and cached.verification.recomputes_survive
+  donated = jaxremat.optimize(
+    step, budget=0.8, time_limit=10, cache_dir=tmp_path, donate_argnums=(0, 1)
+  )
+  assert not donated.plan(*args).from_cache  # donation changes the compiled step
+
+
+def test_cache_keys_cover_constants_by_content():
+  """Two static arrays that print alike bake different constants into one jaxpr text."""
+
+  def scaled(x, scale):
+    return jnp.sum(x * jnp.asarray(scale))
+
+  first = np.ones(2000, np.float32)
+  second = first.copy()
+  second[1000] = 5.0
+  options = PlanOptions(budget=1.0)
+  keys = []
+  for scale in (first, second):
+    p = jaxremat.trace_program(scaled, jnp.ones(2000), scale, static_argnums=1, costs="shape")
+    keys.append(_cache_keys(p, p.signature, 100, options))
+  assert str(p.jaxpr) == str(
+    jaxremat.trace_program(scaled, jnp.ones(2000), first, static_argnums=1, costs="shape").jaxpr
+  )
+  assert keys[0].program != keys[1].program and keys[0].plan != keys[1].plan
 
 
 def test_arguments_of_a_new_shape_get_a_new_plan(tmp_path):

@@ -29,12 +29,14 @@ __all__ = [
   "JaxprEqn",
   "Literal",
   "Var",
+  "abstract_value",
   "aval_bytes",
   "cost_analysis_dict",
   "current_name_stack",
   "eqn_source",
   "inner_jaxprs",
   "is_extended_dtype",
+  "jit_info",
   "name_stack_str",
   "open_jaxpr",
   "user_context",
@@ -190,6 +192,29 @@ def backend_name() -> str:
   return jax.default_backend()
 
 
+def abstract_value(x: Any) -> Any:
+  """The abstract value `jax.jit` traces ``x`` as (Python scalars are weakly typed)."""
+  typeof = getattr(jax, "typeof", None)
+  if typeof is None:  # pragma: no cover - jax < 0.6
+    return jax.core.get_aval(x)
+  return typeof(x)
+
+
+def jit_info(fn: Any) -> dict[str, tuple] | None:
+  """The static and donated arguments of a `jax.jit`-wrapped function (None otherwise).
+
+  `jax.jit` keeps them only in the private ``_jit_info``; its public ``lower().args_info``
+  says which leaves are donated but drops static arguments from the structure.
+  """
+  info = getattr(fn, "_jit_info", None)
+  if info is None:
+    return None
+  return {
+    name: tuple(getattr(info, name, ()) or ())
+    for name in ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames")
+  }
+
+
 # -- building jaxprs from their printed text (jaxremat._src.jaxpr_text) ---------------------
 
 
@@ -234,3 +259,75 @@ def new_closed_jaxpr(constvars, invars, outvars, eqns_spec, consts) -> Any:
   with warnings.catch_warnings():  # no DebugInfo: there is no Python function behind it
     warnings.simplefilter("ignore", DeprecationWarning)
     return ClosedJaxpr(Jaxpr(constvars, invars, outvars, eqns), consts)
+
+
+# -- compiling for devices this machine lacks (jaxremat._src.targets) -----------------------
+# jax.experimental.topologies describes TPU and GPU devices without the hardware; a plugin
+# (libtpu, the CUDA PJRT plugin) compiles for them. ../shared/design/TARGETS.md has the recipe.
+
+
+def plugins_discovered() -> bool:
+  """Whether JAX has already imported its PJRT plugins (they read the environment then)."""
+  from jax._src import xla_bridge
+
+  return bool(getattr(xla_bridge, "_plugins_registered", True))
+
+
+def tpu_library_path() -> str | None:
+  """Where libtpu lies (``$TPU_LIBRARY_PATH`` or the ``libtpu`` package), None if absent."""
+  try:
+    from jax._src.cloud_tpu_init import get_tpu_library_path
+  except ImportError:  # pragma: no cover - jax moved it
+    from jax._src.xla_bridge import get_tpu_library_path  # type: ignore
+  return get_tpu_library_path()
+
+
+def topology_devices(platform: str, topology_name: str = "", **options: Any) -> list[Any]:
+  """Compile-only devices of a topology: ``get_topology_desc(...).devices``.
+
+  Args:
+    platform: ``"tpu"`` or ``"cuda"``.
+    topology_name: e.g. ``"v5e:2x2"`` (TPU); the GPU plugin ignores it.
+    **options: passed to the plugin, e.g. ``topology="1x1x1", target_config=TEXT`` (GPU).
+  """
+  from jax.experimental import topologies
+
+  return list(topologies.get_topology_desc(topology_name, platform, **options).devices)
+
+
+def lower_for_platform(jitted: Any, platform: str, *args: Any, **kwargs: Any) -> Any:
+  """``jitted.trace(*args, **kwargs).lower(lowering_platforms=(platform,))``.
+
+  ``lowering_platforms`` lowers for a platform no local backend serves (jax >= 0.4.31);
+  older JAX spelled it ``_experimental_lowering_parameters``.
+  """
+  return jitted.trace(*args, **kwargs).lower(lowering_platforms=(platform,))
+
+
+def hlo_cost_analysis(compiled: Any) -> dict[str, float]:
+  """Flops, transcendentals and bytes accessed of a compiled executable.
+
+  ``compiled.cost_analysis()`` where the backend answers; else (a compile-only GPU
+  executable says "GetCostAnalysis is not supported") XLA's HLO cost analysis of the
+  optimized modules, run through the CPU client, summed over the modules. Empty when
+  neither is available (no CPU backend in this process).
+  """
+  try:
+    costs = cost_analysis_dict(compiled)
+  except Exception:  # jaxlib raises JaxRuntimeError or NotImplementedError
+    costs = {}
+  if costs:
+    return costs
+  from jax._src import xla_bridge
+  from jax._src.lib import _jax
+
+  try:
+    cpu = xla_bridge.get_backend("cpu")
+    modules = compiled.runtime_executable().hlo_modules()
+  except Exception:  # no CPU backend, or an executable without modules
+    return {}
+  total: dict[str, float] = {}
+  for module in modules:
+    for key, value in _jax.hlo_module_cost_analysis(cpu, module).items():
+      total[key] = total.get(key, 0.0) + float(value)
+  return total

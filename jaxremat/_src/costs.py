@@ -272,7 +272,11 @@ def clear_memory_cache() -> None:
 
 
 def equation_costs(
-  eqns: Sequence[Any], *, mode: str = "xla", cache_dir: str | os.PathLike | None = None
+  eqns: Sequence[Any],
+  *,
+  mode: str = "xla",
+  cache_dir: str | os.PathLike | None = None,
+  time_limit_s: float | None = None,
 ) -> list[EqnCost]:
   """The cost of each equation.
 
@@ -281,6 +285,8 @@ def equation_costs(
     mode: ``"xla"`` (cost analysis + roofline), ``"measured"`` (timed on the device)
       or ``"shape"`` (shape estimates, nothing compiled).
     cache_dir: the cost cache directory.
+    time_limit_s: seconds for compiling equations that are not in the cache yet; the
+      ones left after it get shape estimates (not cached, so a later call costs them).
 
   Returns:
     One `EqnCost` per equation.
@@ -290,6 +296,7 @@ def equation_costs(
   roof = roofline(cache_dir)
   cache = _cache(cache_dir)
   backend = roof.backend
+  deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
   out = []
   for eqn in eqns:
     if eqn.effects:
@@ -297,6 +304,9 @@ def equation_costs(
       continue
     key = f"{mode}:{signature(eqn, backend)}"
     entry = cache.entries.get(key)
+    if entry is None and deadline is not None and time.perf_counter() > deadline:
+      out.append(_shape_cost(eqn, roof))
+      continue
     if entry is None:
       entry = _analyze(eqn, mode)
       cache.entries[key] = entry

@@ -6,6 +6,8 @@ says how to fix it.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class JaxrematError(Exception):
   """Base class of every error jaxremat raises on purpose."""
@@ -32,12 +34,14 @@ class BudgetError(JaxrematError, ValueError):
 
 
 class InfeasibleBudgetError(JaxrematError, ValueError):
-  """No schedule can meet the budget.
+  """No schedule can meet the budget, and there is a proof.
 
   Attributes:
     budget_bytes: the budget asked for.
-    min_feasible_bytes: a proven lower bound on the peak of any valid schedule; budgets
-      below it are infeasible. Where a solver also proved it reachable, it is exact.
+    min_feasible_bytes: a proven lower bound on the peak of every valid schedule (of the
+      graph, or of the compiled step where `jaxremat.optimize` raises it); budgets below
+      it are infeasible. It is a bound, not a promise that it can be reached.
+    reason: the proof, in words.
   """
 
   def __init__(self, budget_bytes: int, min_feasible_bytes: int, reason: str = ""):
@@ -48,7 +52,34 @@ class InfeasibleBudgetError(JaxrematError, ValueError):
     super().__init__(
       f"budget={self.budget_bytes} bytes is below the smallest feasible peak of "
       f"{self.min_feasible_bytes} bytes{detail}. Raise the budget to at least "
-      f"{self.min_feasible_bytes} bytes or shrink the model."
+      f"{self.min_feasible_bytes} bytes (no schedule goes below it) or shrink the model."
+    )
+
+
+class BudgetNotMetError(JaxrematError, RuntimeError):
+  """No plan jaxremat found meets the budget as the compiler measures it; nothing is proven.
+
+  The best plan found is kept, verified, so that it can be used as it is.
+
+  Attributes:
+    budget_bytes: the budget asked for.
+    measured_peak_bytes: the compiler's peak of the best plan found (the least).
+    plan: that plan (a `jaxremat.Plan`; ``plan.compiled`` runs it).
+    lower_bound_bytes: the proven lower bound (no plan can be below it).
+  """
+
+  def __init__(self, budget_bytes: int, plan: Any, lower_bound_bytes: int, detail: str = ""):
+    self.budget_bytes = int(budget_bytes)
+    self.plan = plan
+    self.measured_peak_bytes = int(plan.measured_peak_bytes)
+    self.lower_bound_bytes = int(lower_bound_bytes)
+    super().__init__(
+      f"No plan that jaxremat found meets budget={self.budget_bytes} bytes as the compiler "
+      f"measures it{detail}; the best measures {self.measured_peak_bytes} bytes. Retry with "
+      f"budget={self.measured_peak_bytes} or more to use that plan (the plan cache keeps "
+      "it), raise time_limit to search longer, or catch BudgetNotMetError and run its "
+      f".plan.compiled. No plan can go below {self.lower_bound_bytes} bytes (the step's "
+      "arguments and outputs)."
     )
 
 

@@ -76,8 +76,9 @@ def measure(
   Args:
     fn: the function (jitted or not; it is jitted here).
     *args: its positional arguments.
-    runs: timed calls; the median is reported. 0 compiles and analyses only.
-    warmup: untimed calls before the timed ones.
+    runs: timed calls; the median is reported. 0 compiles and analyses only: nothing
+      runs, so ``args`` may be ``jax.ShapeDtypeStruct`` and the step need not fit.
+    warmup: untimed calls before the timed ones (none when ``runs`` is 0).
     donate_argnums: as for `jax.jit`; donated arguments are copied before each call
       (outside the timed region) so that every call gets live buffers.
     **kwargs: its keyword arguments.
@@ -107,7 +108,8 @@ def measure(
     return [jax.tree.map(lambda a: a.copy(), a) if i in donated else a for i, a in enumerate(args)]
 
   times = []
-  for k in range(warmup + runs):
+  calls = warmup + runs if runs else 0
+  for k in range(calls):
     call_args = fresh_args()
     jax.block_until_ready(call_args)
     start = time.perf_counter()
@@ -115,7 +117,7 @@ def measure(
     if k >= warmup:
       times.append(time.perf_counter() - start)
   device_peak = None
-  if warmup + runs > 0:
+  if calls:
     stats = jax.devices()[0].memory_stats()
     device_peak = stats.get("peak_bytes_in_use") if stats else None
 

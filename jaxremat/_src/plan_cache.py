@@ -1,9 +1,13 @@
 """A disk cache of plans, so that a second process reuses a schedule without solving.
 
-An entry is keyed by a fingerprint of everything the plan depends on: the traced jaxpr
-and graph, the budget, the solver and its options, the backend and the versions of jax,
-jaxlib and jaxremat. Entries are written atomically; a damaged or foreign entry is
-ignored with a warning, and a plan is checked against its graph before it is used.
+An entry is keyed by a fingerprint of everything the compiled step and the plan depend
+on (`jaxremat._src.planner` builds it): the traced jaxpr with the contents of its
+constants, the graph, the donation, the device, the budget, the solver and its options,
+and the versions of jax, jaxlib and jaxremat. Beside the plan chosen for each budget, the
+cache keeps every plan the compiler measured for a program (`measured_plans`), so that a
+retry at a measured peak finds its plan again. Entries are written atomically; a damaged
+or foreign entry is ignored with a warning, and a plan is checked against its graph
+before it is used (and verified by the planner before it runs).
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from jaxremat._src.schedule import Schedule
 from jaxremat._src.simulate import simulate
 
 PLAN_FORMAT = "jaxremat.plan/1"
+MEASURED_FORMAT = "jaxremat.measured-plans/1"
+# Measured plans kept per program: the cheapest at each peak, up to this many.
+MAX_MEASURED_PLANS = 32
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -37,7 +44,8 @@ def fingerprint(**parts: Any) -> str:
 
 
 class PlanCache:
-  """Plans on disk under ``directory/plans/<key>.json``.
+  """Plans on disk under ``directory/plans/<key>.json``, measured plans under
+  ``directory/measured/<program key>.json``.
 
   Example:
     >>> import tempfile, jaxremat
@@ -54,6 +62,10 @@ class PlanCache:
 
   def path(self, key: str) -> pathlib.Path:
     return self.directory / f"{key}.json"
+
+  def measured_path(self, program_key: str) -> pathlib.Path:
+    """Where the measured plans of a program live: ``directory/measured/<key>.json``."""
+    return self.directory.parent / "measured" / f"{program_key}.json"
 
   def load(self, key: str, graph: RematGraph) -> Schedule | None:
     """The cached plan for ``key``, or None if there is none or it cannot be trusted.
@@ -94,3 +106,42 @@ class PlanCache:
       "schedule": schedule.to_dict(),
     }
     write_json_atomic(self.path(key), entry)
+
+  def measured_plans(self, program_key: str, graph: RematGraph) -> list[tuple[Schedule, int]]:
+    """Every plan of the program ``program_key`` that the compiler measured, with its
+    measured peak in bytes; damaged entries and plans invalid for ``graph`` are skipped."""
+    path = self.measured_path(program_key)
+    if not path.exists():
+      return []
+    try:
+      entry = read_json(path)
+      if not isinstance(entry, Mapping) or entry.get("format") != MEASURED_FORMAT:
+        raise FormatError(str(path), "format", f"expected {MEASURED_FORMAT!r}.")
+      plans = [
+        (Schedule.from_dict(p["schedule"], source=str(path)), int(p["measured_peak_bytes"]))
+        for p in entry.get("plans", [])
+      ]
+    except (FormatError, KeyError, TypeError, ValueError) as e:
+      warnings.warn(f"Ignoring the damaged measured-plans entry {path}: {e}", stacklevel=2)
+      return []
+    return [(s, peak) for s, peak in plans if simulate(graph, s).valid]
+
+  def add_measured(
+    self, program_key: str, graph: RematGraph, plans: list[tuple[Schedule, int]]
+  ) -> None:
+    """Adds measured plans; keeps those no other plan beats in both peak and duration."""
+    kept = {s.events: (s, peak) for s, peak in [*self.measured_plans(program_key, graph), *plans]}
+    front = []
+    for s, peak in sorted(kept.values(), key=lambda p: (p[1], p[0].stats.get("duration", 0))):
+      if not front or s.stats.get("duration", 0) < front[-1][0].stats.get("duration", 0):
+        front.append((s, peak))
+    entry = {
+      "format": MEASURED_FORMAT,
+      "plans": [
+        {"measured_peak_bytes": peak, "schedule": s.to_dict()}
+        for s, peak in front[:MAX_MEASURED_PLANS]
+      ],
+    }
+    path = self.measured_path(program_key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, entry)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +19,17 @@ import numpy as np
 
 from jaxremat._src import compat, costs, jaxpr_text
 from jaxremat._src.backends import backend_facts
+from jaxremat._src.errors import UnsupportedError
 from jaxremat._src.graph import Node, RematGraph
+from jaxremat._src.signature import (
+  CallSignature,
+  FlatStep,
+  OutputSplit,
+  abstract,
+  call_signature,
+  is_array,
+  jit_options,
+)
 
 # -- the Program: a flat jaxpr and the graph over it --------------------------------------
 
@@ -38,38 +47,43 @@ class Program:
       for; ``()`` for input nodes. Every equation is in exactly one node.
     node_outvars: per node, the vars its equations produce that other nodes or the
       function's outputs read (for an input node, its invar or constvar).
-    in_tree: treedef of the dynamic leaves of ``(args, kwargs)`` (static leaves
-      replaced by ``None``), whose leaves are the jaxpr invars in order.
-    out_tree: treedef of the function's output; its leaves are the jaxpr outvars.
-    arg_tree: treedef of the full ``(args, kwargs)`` the function was traced with.
-    dynamic_mask: per leaf of ``arg_tree``, whether it is an invar (True) or a static
-      value baked into the jaxpr (False).
-    static_leaves: the static leaves of ``arg_tree``, in order.
+    signature: how a call splits into the jaxpr's invars (its traced leaves) and the
+      static values baked into the jaxpr (`jaxremat._src.signature`); None for a jaxpr
+      read from text.
+    outputs: which output leaves are the jaxpr's outvars and which static values are
+      returned as they are; None for a jaxpr read from text.
   """
 
   jaxpr: Any
   graph: RematGraph
   node_eqns: tuple[tuple[int, ...], ...]
   node_outvars: tuple[tuple[Any, ...], ...]
-  in_tree: Any
-  out_tree: Any
-  arg_tree: Any
-  dynamic_mask: tuple[bool, ...]
-  static_leaves: tuple[Any, ...]
+  signature: CallSignature | None = None
+  outputs: OutputSplit | None = None
+
+  @property
+  def dynamic_mask(self) -> tuple[bool, ...]:
+    """Per leaf of the traced ``(args, kwargs)``, whether it is a jaxpr invar."""
+    return self.signature.dynamic_mask if self.signature else ()
+
+  @property
+  def static_leaves(self) -> tuple[Any, ...]:
+    """The static leaves of the traced ``(args, kwargs)``, in order."""
+    return self.signature.static_leaves if self.signature else ()
+
+  @property
+  def arg_tree(self) -> Any:
+    """Treedef of the full ``(args, kwargs)`` the function was traced with."""
+    return self.signature.arg_tree if self.signature else None
 
   def flatten_args(self, *args, **kwargs) -> list[Any]:
     """The jaxpr invar values for a call with the traced argument structure."""
-    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-    if tree != self.arg_tree:
-      raise ValueError(
-        f"The arguments have structure {tree}, but the function was traced with "
-        f"{self.arg_tree}; call it with arguments of the traced structure."
-      )
-    dynamic = [x for x, dyn in zip(leaves, self.dynamic_mask, strict=True) if dyn]
+    dynamic = self.signature.dynamic_leaves(args, kwargs)
     for k, (x, var) in enumerate(zip(dynamic, self.jaxpr.jaxpr.invars, strict=True)):
       # A jaxpr evaluated on other shapes or dtypes may broadcast or cast silently.
-      shape, dtype = np.shape(x), getattr(x, "dtype", None)
-      if dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+      spec = abstract(x)
+      shape, dtype = spec.shape, spec.dtype
+      if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         dtype = jax.dtypes.canonicalize_dtype(dtype)
       if shape != var.aval.shape or dtype != var.aval.dtype:
         raise ValueError(
@@ -81,7 +95,7 @@ class Program:
 
   def unflatten_outputs(self, flat_outputs: Sequence[Any]) -> Any:
     """The function's output pytree from the values of the jaxpr outvars."""
-    return jax.tree_util.tree_unflatten(self.out_tree, list(flat_outputs))
+    return self.outputs.merge(list(flat_outputs))
 
   def __call__(self, *args, **kwargs) -> Any:
     """Evaluates the flat jaxpr: the traced function's result, for checking."""
@@ -97,19 +111,24 @@ def trace_program(
   workspace: bool = False,
   static_argnums: int | Sequence[int] = (),
   static_argnames: str | Sequence[str] = (),
+  donate_argnums: int | Sequence[int] = (),
+  signature: CallSignature | None = None,
   name: str | None = None,
   cache_dir: str | os.PathLike | None = None,
+  cost_time_limit: float | None = None,
   **kwargs,
 ) -> Program:
   """Traces ``fn(*args, **kwargs)`` into a `Program` (flat jaxpr + `RematGraph`).
 
-  Array leaves (``jax.Array``, numpy arrays and scalars, ``jax.ShapeDtypeStruct``)
-  are dynamic inputs; other leaves (Python numbers, strings, None, ...) and whole
-  arguments named by ``static_argnums``/``static_argnames`` are static: baked into
-  the jaxpr. ``fn`` may be plain or ``jax.jit``-wrapped.
+  Leaves are traced as `jax.jit` traces them: arrays (``jax.Array``, numpy arrays and
+  scalars, ``jax.ShapeDtypeStruct``) and Python scalars (as weakly typed arrays) are
+  the jaxpr's inputs; the arguments named by ``static_argnums``/``static_argnames``
+  (also those of a ``jax.jit``-wrapped ``fn``) and leaves that are not arrays (strings,
+  None, functions, as ``eqx.filter_jit`` keeps them) are static: baked into the jaxpr.
+  Output leaves that are not arrays are returned as they are.
 
   Args:
-    fn: the function to trace (e.g. a training step).
+    fn: the function to trace (e.g. a training step), plain or ``jax.jit``-wrapped.
     *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
     fold: fold values that XLA fuses into their consumers (ARCHITECTURE.md fact 2)
       so that memory is charged only for what XLA keeps; False: one node per equation.
@@ -121,18 +140,27 @@ def trace_program(
       read only by it: no equations, no values, live only while that node computes.
       Off by default: the graph then has no equation-less non-input nodes, and
       `xla_accounted_peak_bytes` counts the scratch at each node's compute event.
-    static_argnums: positions of arguments to treat as static.
+    static_argnums: positions of arguments to treat as static (negative ones count
+      from the end).
     static_argnames: names of keyword arguments to treat as static.
+    donate_argnums: positions of donated arguments (recorded in the signature).
+    signature: the call's split into traced and static leaves, made by the caller
+      (`jaxremat._src.signature.call_signature`); the three arguments above are then
+      ignored.
     name: the graph's name (default: the function's name).
     cache_dir: the cost cache directory (default ``$JAXREMAT_CACHE_DIR`` or
       ``~/.cache/jaxremat``).
+    cost_time_limit: seconds for costing equations with XLA; equations left when they
+      are spent get shape estimates (None: no limit).
     **kwargs: keyword arguments of ``fn``.
 
   Returns:
     The `Program`.
 
   Raises:
-    ValueError: for an unknown ``costs`` mode or a ``static_argnums`` out of range.
+    ValueError: for an unknown ``costs`` mode, an argument position out of range or
+      an unhashable static value.
+    UnsupportedError: ``fn`` uses a traced value in Python control flow.
 
   Example:
     >>> import jax, jax.numpy as jnp, jaxremat
@@ -143,66 +171,46 @@ def trace_program(
   """
   if costs not in _COST_MODES:
     raise ValueError(f"costs={costs!r} is not a cost mode; use one of {sorted(_COST_MODES)}.")
-  if isinstance(static_argnums, int):
-    static_argnums = (static_argnums,)
-  if isinstance(static_argnames, str):
-    static_argnames = (static_argnames,)
-  for i in static_argnums:
-    if not -len(args) <= i < len(args):
-      raise ValueError(
-        f"static_argnums contains {i}, but the function was given {len(args)} positional "
-        "arguments; name only positions that exist."
-      )
-  static_pos = {i % len(args) for i in static_argnums}
-  arg_leaves, arg_tree = jax.tree_util.tree_flatten((args, kwargs))
-  marked = (
-    tuple(_Static(a) if i in static_pos else a for i, a in enumerate(args)),
-    {k: _Static(v) if k in static_argnames else v for k, v in kwargs.items()},
-  )
-  marked_leaves = jax.tree_util.tree_leaves(marked, is_leaf=lambda x: isinstance(x, _Static))
-  # Each whole static argument stands for all of its leaves.
-  dynamic_mask = []
-  for leaf in marked_leaves:
-    if isinstance(leaf, _Static):
-      dynamic_mask.extend([False] * len(jax.tree_util.tree_leaves(leaf.value)))
-    else:
-      dynamic_mask.append(_is_array_leaf(leaf))
-  static_leaves = tuple(x for x, d in zip(arg_leaves, dynamic_mask, strict=True) if not d)
-  dyn_leaves = [x for x, d in zip(arg_leaves, dynamic_mask, strict=True) if d]
-  in_tree = jax.tree_util.tree_structure(
-    jax.tree_util.tree_unflatten(
-      arg_tree, [x if d else None for x, d in zip(arg_leaves, dynamic_mask, strict=True)]
+  if signature is None:
+    jitted = jit_options(fn)
+    signature = call_signature(
+      args,
+      kwargs,
+      static_argnums=_union(static_argnums, jitted.get("static_argnums", ())),
+      static_argnames=_union(static_argnames, jitted.get("static_argnames", ())),
+      donate_argnums=_union(donate_argnums, jitted.get("donate_argnums", ())),
+      donate_argnames=jitted.get("donate_argnames", ()),
     )
-  )
-  out_trees = []
-
-  def flat_fn(*dyn):
-    it_dyn, it_static = iter(dyn), iter(static_leaves)
-    leaves = [next(it_dyn) if d else next(it_static) for d in dynamic_mask]
-    a, kw = jax.tree_util.tree_unflatten(arg_tree, leaves)
-    out = fn(*a, **kw)
-    flat_out, out_tree = jax.tree_util.tree_flatten(out)
-    out_trees.append(out_tree)
-    return flat_out
-
-  specs = [_spec(x) for x in dyn_leaves]
-  closed = flatten_jaxpr(jax.make_jaxpr(flat_fn)(*specs))
-  arg_names = _leaf_names((args, kwargs), dynamic_mask)
+  flat_fn = FlatStep(fn, signature)
   fn_name = name or getattr(fn, "__name__", None) or type(fn).__name__
+  try:
+    closed = flatten_jaxpr(jax.make_jaxpr(flat_fn)(*signature.specs))
+  except jax.errors.ConcretizationTypeError as e:
+    raise UnsupportedError(MSG_CONCRETE.format(name=fn_name, error=str(e).splitlines()[0])) from e
   return build_program(
     closed,
     fold=fold,
     costs_mode=costs,
     name=fn_name,
-    arg_names=arg_names,
-    in_tree=in_tree,
-    out_tree=out_trees[-1],
-    arg_tree=arg_tree,
-    dynamic_mask=tuple(dynamic_mask),
-    static_leaves=static_leaves,
+    arg_names=signature.arg_names,
+    signature=signature,
+    output_split=flat_fn.outputs,
     cache_dir=cache_dir,
+    cost_time_limit=cost_time_limit,
     workspace=workspace,
   )
+
+
+MSG_CONCRETE = (
+  "{name} uses a traced argument in Python control flow ({error}); jaxremat traces arrays "
+  "and Python scalars as jax.jit does: name the argument in static_argnums or "
+  "static_argnames (as for jax.jit), or use lax.cond / jnp.where."
+)
+
+
+def _union(a: int | str | Sequence, b: Sequence) -> tuple:
+  a = (a,) if isinstance(a, (int, str)) else tuple(a)
+  return tuple(dict.fromkeys([*a, *b]))
 
 
 def trace(fn: Callable, *args, **kwargs) -> RematGraph:
@@ -249,35 +257,6 @@ def graph_from_jaxpr_text(
 _COST_MODES = frozenset({"xla", "measured", "shape"})
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  value: Any
-
-
-def _is_array_leaf(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
-
-
-def _spec(x: Any) -> jax.ShapeDtypeStruct:
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return x
-  weak = bool(getattr(x, "weak_type", False))
-  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=weak)
-
-
-def _leaf_names(tree: Any, dynamic_mask: Sequence[bool]) -> list[str]:
-  paths = jax.tree_util.tree_flatten_with_path(tree)[0]
-  names = []
-  for (path, _), dyn in zip(paths, dynamic_mask, strict=True):
-    if dyn:
-      text = jax.tree_util.keystr(path)
-      # ((args, kwargs)) -> "args[0]['w']" / "kwargs['lr']"
-      text = re.sub(r"^\[0\]", "args", text)
-      text = re.sub(r"^\[1\]", "kwargs", text)
-      names.append(text)
-  return names
-
-
 # -- inlining ----------------------------------------------------------------------------
 
 
@@ -300,7 +279,7 @@ def flatten_jaxpr(closed: Any) -> Any:
   def run(*args):
     return _eval_inlined(jaxpr, args[:n_consts], args[n_consts:])
 
-  const_specs = [_spec(c) if _is_array_leaf(c) else c for c in consts]
+  const_specs = [abstract(c) if is_array(c) else c for c in consts]
   flat = jax.make_jaxpr(run)(*const_specs, *specs)
   inner, inner_consts = compat.open_jaxpr(flat)
   return _close_over(inner, inner_consts, n_consts, consts)
@@ -864,12 +843,10 @@ def build_program(
   costs_mode: str = "xla",
   name: str = "program",
   arg_names: Sequence[str] | None = None,
-  in_tree: Any = None,
-  out_tree: Any = None,
-  arg_tree: Any = None,
-  dynamic_mask: tuple[bool, ...] = (),
-  static_leaves: tuple[Any, ...] = (),
+  signature: CallSignature | None = None,
+  output_split: OutputSplit | None = None,
   cache_dir: str | os.PathLike | None = None,
+  cost_time_limit: float | None = None,
   workspace: bool = False,
   printed_jaxpr: str | None = None,
 ) -> Program:
@@ -928,7 +905,9 @@ def build_program(
       if not isinstance(v, compat.DropVar) and v in exported[n_in + g]
     ]
     node_outvars.append(tuple(outs))
-  eqn_costs = costs.equation_costs(jaxpr.eqns, mode=costs_mode, cache_dir=cache_dir)
+  eqn_costs = costs.equation_costs(
+    jaxpr.eqns, mode=costs_mode, cache_dir=cache_dir, time_limit_s=cost_time_limit
+  )
   arg_names = list(arg_names or [f"arg{i}" for i in range(len(jaxpr.invars))])
   nodes = []
   for i, v in enumerate(jaxpr.invars):
@@ -986,11 +965,8 @@ def build_program(
     graph=graph,
     node_eqns=tuple(node_eqns),
     node_outvars=tuple(node_outvars),
-    in_tree=in_tree,
-    out_tree=out_tree,
-    arg_tree=arg_tree,
-    dynamic_mask=dynamic_mask,
-    static_leaves=static_leaves,
+    signature=signature,
+    outputs=output_split,
   )
 
 

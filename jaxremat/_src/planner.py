@@ -1,0 +1,484 @@
+"""The planner behind `jaxremat.optimize`: one verified plan per call signature.
+
+For a signature it traces the step, measures the original with XLA (with the step's
+donation), proves what no plan can go below (the step's own arguments and outputs),
+solves, emits and compiles, and while XLA measures a plan over the budget plans tighter
+(a bounded closed loop: the graph's memory model is close to XLA's, not equal to it).
+Every plan it hands out was verified in this process, also one read from the plan cache.
+``time_limit`` bounds all of it: costs, solves, compiles and verification.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxremat._src import compat
+from jaxremat._src.budget import parse_budget
+from jaxremat._src.emit import emit
+from jaxremat._src.errors import (
+  BudgetNotMetError,
+  InfeasibleBudgetError,
+  NoScheduleFoundError,
+  VerificationError,
+)
+from jaxremat._src.measure import Measurement, measure
+from jaxremat._src.minimize import minimize_peak
+from jaxremat._src.plan_cache import PlanCache, fingerprint
+from jaxremat._src.schedule import Schedule
+from jaxremat._src.signature import CallSignature, FlatStep, OutputSplit, static_key
+from jaxremat._src.solve import solve
+from jaxremat._src.solvers.base import Progress
+from jaxremat._src.trace import Program, trace_program
+from jaxremat._src.verify import Verification
+
+logger = logging.getLogger("jaxremat")
+# How much tighter (a fraction of the budget) each replan aims beyond XLA's measured excess.
+_REPLAN_MARGIN = 0.02
+# Planners whose plans recompute whole segments, which XLA's scheduler keeps as planned.
+_SEGMENT_SOLVERS = ("chen-sqrtn-ap", "chen-greedy-ap", "griewank-ap", "twremat")
+# Shares of time_limit: costing equations (the rest get shape estimates); and the time
+# kept back for compiling a plan and for verifying one, in compiles of the original.
+_COSTS_SHARE = 0.25
+_COMPILES_PER_PLAN = 2.0
+_COMPILES_TO_VERIFY = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+  """One plan the planner compiled: what was planned and what XLA measured."""
+
+  solver: str
+  planning_budget_bytes: int
+  predicted_peak_bytes: int
+  measured_peak_bytes: int
+  origin: str = "solve"  # "solve", "cache" or "measured plans"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+  """The optimized step: call it like the original (same arguments, same outputs).
+
+  Attributes:
+    signature: the call signature it was planned for.
+    outputs: which output leaves come from the compiled program.
+    jitted: the flat emitted step under `jax.jit`, with the step's donation.
+    emitted: the emitted step (`jaxremat.emit`), not jitted.
+  """
+
+  signature: CallSignature
+  outputs: OutputSplit
+  jitted: Callable[..., Any] = dataclasses.field(repr=False)
+  emitted: Callable[..., Any] = dataclasses.field(repr=False)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self.outputs.merge(self.jitted(*self.signature.dynamic_leaves(args, kwargs)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything `optimize` decided for one call signature.
+
+  Attributes:
+    program: the traced step (flat jaxpr and graph).
+    schedule: the schedule that runs, with the solver's stats.
+    budget_bytes: the user's budget, in XLA bytes.
+    baseline_peak_bytes: XLA's peak of the original step (with its donation).
+    lower_bound_bytes: no plan can be below it: what the arguments and outputs take.
+    measured_peak_bytes: XLA's peak of the optimized step.
+    attempts: every plan compiled for this signature, in order.
+    from_cache: whether the schedule came from the plan cache.
+    verification: what verifying the plan found (None with ``verify=False``).
+    plan_time_s: seconds from the first call to a compiled, verified step.
+    compile_time_s: of those, the seconds XLA spent compiling the optimized step(s).
+    compiled: the optimized step.
+  """
+
+  program: Program
+  schedule: Schedule
+  budget_bytes: int
+  baseline_peak_bytes: int
+  lower_bound_bytes: int
+  measured_peak_bytes: int
+  attempts: tuple[Attempt, ...]
+  from_cache: bool
+  verification: Verification | None
+  plan_time_s: float
+  compile_time_s: float
+  compiled: CompiledStep = dataclasses.field(repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+  """The options of `jaxremat.optimize` that shape a plan (see its docstring)."""
+
+  budget: Any
+  solver: str = "auto"
+  time_limit: float = 60.0
+  verify: bool | str = True
+  cache_dir: str | None = None
+  use_cache: bool = True
+  fence: str = "auto"
+  max_replans: int = 3
+  progress: bool | Callable[[Progress], None] = True
+  solver_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class _Deadline:
+  """What is left of ``time_limit`` since the first call started."""
+
+  def __init__(self, limit_s: float):
+    self.start = time.perf_counter()
+    self.limit_s = limit_s
+
+  def left_s(self) -> float:
+    return self.limit_s - self.elapsed_s()
+
+  def elapsed_s(self) -> float:
+    return time.perf_counter() - self.start
+
+
+def make_plan(
+  fn: Callable[..., Any],
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  signature: CallSignature,
+  opts: PlanOptions,
+) -> Plan:
+  """Plans, compiles and verifies ``fn`` for the signature of ``fn(*args, **kwargs)``.
+
+  See the module docstring.
+
+  Raises:
+    InfeasibleBudgetError: the budget is below what the step's arguments and outputs
+      alone take in XLA (a proof).
+    BudgetNotMetError: no plan found meets the budget; it carries the best one.
+    NoScheduleFoundError: no solver found any schedule in time.
+    VerificationError: the optimized step computes something else, or XLA dropped a
+      planned recomputation.
+  """
+  deadline = _Deadline(opts.time_limit)
+  program = trace_program(
+    fn, *args, signature=signature, cost_time_limit=_COSTS_SHARE * opts.time_limit, **kwargs
+  )
+  leaves = signature.dynamic_leaves(args, kwargs)
+  baseline = measure(
+    FlatStep(fn, signature), *leaves, runs=0, donate_argnums=signature.donated_leaves
+  )
+  budget_bytes = parse_budget(opts.budget, baseline.peak_bytes)
+  lower_bound = lower_bound_bytes(baseline)
+  if budget_bytes < lower_bound:
+    raise InfeasibleBudgetError(budget_bytes, lower_bound, _lower_bound_proof(baseline))
+  keys = _cache_keys(program, signature, budget_bytes, opts)
+  cache = PlanCache(opts.cache_dir) if opts.use_cache else None
+  loop = _Loop(program, signature, budget_bytes, opts, deadline, baseline)
+  cached = cache.load(keys.plan, program.graph) if cache else None
+  if cached is not None:
+    loop.try_schedule(cached, "cache")
+  if not loop.met:
+    loop.run(opts.solver)
+  if not loop.met and opts.solver == "auto":
+    # XLA may reorder what a plan leaves unfenced; plans built from whole segments keep
+    # their shape. Try those, while compiles are left.
+    for name in _SEGMENT_SOLVERS:
+      loop.run(name)
+  if not loop.met and cache:
+    # A plan XLA measured within this budget before (a retry at a reported peak).
+    for schedule, peak in cache.measured_plans(keys.program, program.graph):
+      if peak <= budget_bytes and loop.try_schedule(schedule, "measured plans"):
+        break
+  if cache and loop.tried:
+    measured = [(t.schedule, t.compiled.peak_bytes) for t in loop.tried]
+    cache.add_measured(keys.program, program.graph, measured)
+  if not loop.tried:
+    raise NoScheduleFoundError(
+      f"solver={opts.solver!r} found no schedule within budget={budget_bytes} bytes in "
+      f"time_limit={opts.time_limit} s; raise the time limit or the budget."
+    )
+  met = [t for t in loop.tried if t.met]
+  best = (
+    min(met, key=lambda t: t.schedule.stats["duration"])
+    if met
+    else min(loop.tried, key=lambda t: t.compiled.peak_bytes)
+  )
+  verification = (
+    _verify(fn, signature, leaves, program, best, baseline, opts) if opts.verify else None
+  )
+  schedule = best.schedule.replace(
+    stats={
+      **best.schedule.stats,
+      "optimize": {
+        "budget_bytes": budget_bytes,
+        "baseline_peak_bytes": baseline.peak_bytes,
+        "attempts": [dataclasses.asdict(t.attempt) for t in loop.tried],
+      },
+    }
+  )
+  plan = Plan(
+    program=program,
+    schedule=schedule,
+    budget_bytes=budget_bytes,
+    baseline_peak_bytes=baseline.peak_bytes,
+    lower_bound_bytes=lower_bound,
+    measured_peak_bytes=best.compiled.peak_bytes,
+    attempts=tuple(t.attempt for t in loop.tried),
+    from_cache=best.attempt.origin == "cache",
+    verification=verification,
+    plan_time_s=deadline.elapsed_s(),
+    compile_time_s=sum(t.compiled.compile_time_s for t in loop.tried),
+    compiled=best.compiled.step,
+  )
+  if not met:
+    detail = f" in {len(loop.tried)} plan(s) and {deadline.elapsed_s():.0f} s"
+    raise BudgetNotMetError(budget_bytes, plan, lower_bound, detail)
+  if cache and best.attempt.origin != "cache":
+    cache.store(keys.plan, schedule, info={"graph": program.graph.name, "versions": _versions()})
+  return plan
+
+
+def lower_bound_bytes(baseline: Measurement) -> int:
+  """What every compiled version of the step holds: its arguments and its outputs, less
+  the donated arguments XLA reuses for outputs (the figures XLA reports for the original)."""
+  return baseline.argument_bytes + baseline.output_bytes - baseline.alias_bytes
+
+
+def _lower_bound_proof(baseline: Measurement) -> str:
+  return (
+    f"every compiled version of this step holds its arguments ({baseline.argument_bytes} "
+    f"bytes) and its outputs ({baseline.output_bytes} bytes) less the donated buffers XLA "
+    f"reuses for outputs ({baseline.alias_bytes} bytes), as XLA measured the original step"
+  )
+
+
+# -- the closed loop ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+  step: CompiledStep
+  peak_bytes: int
+  compile_time_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tried:
+  attempt: Attempt
+  schedule: Schedule
+  compiled: _Compiled
+  met: bool
+
+
+class _Loop:
+  """Plans tried for one signature: at most ``1 + max_replans`` solved plans compiled,
+  within the deadline."""
+
+  def __init__(self, program, signature, budget_bytes, opts: PlanOptions, deadline, baseline):
+    self.program = program
+    self.signature = signature
+    self.budget_bytes = budget_bytes
+    self.opts = opts
+    self.deadline = deadline
+    self.tried: list[_Tried] = []
+    self.least_peak_tried = False
+    # Seconds kept back for compiling and verifying a plan, from the original's compile.
+    compiles = _COMPILES_PER_PLAN + (_COMPILES_TO_VERIFY if opts.verify else 0.0)
+    self.reserve_s = max(baseline.compile_time_s, 0.05) * compiles
+
+  @property
+  def met(self) -> bool:
+    return any(t.met for t in self.tried)
+
+  def solves_left(self) -> int:
+    return 1 + self.opts.max_replans - sum(t.attempt.origin == "solve" for t in self.tried)
+
+  def try_schedule(self, schedule: Schedule, origin: str) -> bool:
+    """Compiles a schedule and records it; whether XLA measures it within the budget."""
+    compiled = _compile(self.program, self.signature, schedule, self.opts.fence)
+    met = compiled.peak_bytes <= self.budget_bytes
+    attempt = Attempt(
+      schedule.solver,
+      int(schedule.budget if schedule.budget is not None else self.budget_bytes),
+      int(schedule.stats.get("peak_bytes", 0)),
+      compiled.peak_bytes,
+      origin,
+    )
+    self.tried.append(_Tried(attempt, schedule, compiled, met))
+    if not met:
+      logger.info(
+        "jaxremat: %s plan (%s) measures %d bytes in XLA, over the budget of %d.",
+        schedule.solver,
+        origin,
+        compiled.peak_bytes,
+        self.budget_bytes,
+      )
+    return met
+
+  def solve_time_s(self) -> float:
+    """Half of what is left after the reserve, so that a replan still has time."""
+    return 0.5 * (self.deadline.left_s() - self.reserve_s)
+
+  def run(self, solver: str) -> None:
+    """Solves with ``solver`` and compiles; while XLA measures over budget, plans tighter.
+
+    Each round plans below the last plan's own peak by what XLA measured beyond the
+    budget (`next_planning_budget`). When the model proves the planning budget
+    infeasible, or the solver finds nothing, the least-peak plan the model reaches is
+    tried once: XLA may hold less than the model.
+    """
+    graph = self.program.graph
+    planning = self.budget_bytes
+    while not self.met and self.solves_left() > 0:
+      limit_s = self.solve_time_s()
+      if limit_s < 0.1 and self.tried:
+        return  # time is up; a first plan is made even so
+      try:
+        schedule = solve(
+          graph,
+          planning,
+          solver=solver,
+          time_limit=max(limit_s, 0.1),
+          progress=_progress_printer(self.opts.progress),
+          **self.opts.solver_options,
+        )
+      except (InfeasibleBudgetError, NoScheduleFoundError) as e:
+        logger.info("jaxremat: %s", e)
+        if self.least_peak_tried:
+          return
+        self.least_peak_tried = True
+        schedule = minimize_peak(graph, "auto", time_limit=max(self.solve_time_s(), 0.5))
+      self.try_schedule(schedule, "solve")
+      last = self.tried[-1].attempt
+      planning = next_planning_budget(
+        planning, last.predicted_peak_bytes, last.measured_peak_bytes, self.budget_bytes
+      )
+
+
+def next_planning_budget(
+  planning_bytes: int, predicted_bytes: int, measured_bytes: int, budget_bytes: int
+) -> int:
+  """The planning budget after a plan that XLA measured over the budget.
+
+  XLA is taken to add to the next plan what it added to this one, plus a margin, so the
+  next plan must be that far below this plan's own peak. This plan's peak, not the
+  planning budget: a segment planner's plan may sit well under the planning budget, and
+  a budget cut short of its peak would return the same plan.
+  """
+  overshoot = measured_bytes - budget_bytes + int(_REPLAN_MARGIN * budget_bytes)
+  return min(planning_bytes, predicted_bytes) - overshoot
+
+
+def _compile(program: Program, signature: CallSignature, schedule: Schedule, fence: str):
+  # Pinning every event to the plan's order raised XLA's peak on small training steps,
+  # whose jaxpr order runs the optimizer update worse than XLA's own scheduler
+  # (tests/test_optimize.py); the closed loop fences recomputations only.
+  emitted = emit(program, schedule, fence=fence, pin="recomputations")
+  jitted = jax.jit(FlatStep(emitted, signature), donate_argnums=signature.donated_leaves)
+  start = time.perf_counter()
+  compiled = jitted.lower(*signature.specs).compile()
+  step = CompiledStep(signature, program.outputs, jitted, emitted)
+  return _Compiled(step, compat.memory_peak_bytes(compiled), time.perf_counter() - start)
+
+
+# -- verification ------------------------------------------------------------------------
+
+
+def _verify(
+  fn, signature, leaves, program, best: _Tried, baseline, opts: PlanOptions
+) -> Verification:
+  """Verifies the chosen plan on the caller's arguments (`jaxremat.verify`).
+
+  ``verify=True`` (or ``"auto"``) runs on the device unless the original step would not
+  fit there, then on the host CPU (`choose_verification_device`).
+  """
+  from jaxremat._src.verify import choose_verification_device, device_bytes_limit, verify
+
+  device = opts.verify if isinstance(opts.verify, str) else "auto"
+  if device == "auto":
+    device = choose_verification_device(baseline.peak_bytes, device_bytes_limit())
+  v = verify(
+    FlatStep(fn, signature),
+    FlatStep(best.compiled.step.emitted, signature),
+    best.schedule,
+    *leaves,
+    program=program,
+    device=device,
+    original=baseline,
+    donate_argnums=signature.donated_leaves,
+  )
+  if not v.outputs_match:
+    raise VerificationError(
+      f"The optimized step's outputs differ from the original's beyond float noise "
+      f"({v.output_report}); this is a jaxremat bug: please report it with the step. "
+      "Pass verify=False to skip this check."
+    )
+  if not v.recomputes_survive:
+    raise VerificationError(
+      f"XLA merged away planned recomputations (planned {dict(v.planned_recomputes)}, kept "
+      f"{dict(v.surviving_recomputes)}); the memory saving is not real. Try fence='cond', "
+      "or report it with the step."
+    )
+  return v
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Keys:
+  program: str  # the compiled step: jaxpr, constants, graph, donation, device, versions
+  plan: str  # and the budget and everything else that shapes the plan
+
+
+def _cache_keys(program, signature, budget_bytes, opts: PlanOptions) -> _Keys:
+  device = jax.devices()[0]
+  program_key = fingerprint(
+    jaxpr=str(program.jaxpr),
+    consts=[static_key(c)[1:] for c in compat.open_jaxpr(program.jaxpr)[1]],
+    graph=program.graph.to_dict()["nodes"],
+    donated=signature.donated,
+    target=[device.platform, device.device_kind],
+    fence=opts.fence,
+    versions=_versions(),
+  )
+  plan_key = fingerprint(
+    program=program_key,
+    budget_bytes=budget_bytes,
+    solver=opts.solver,
+    options=opts.solver_options,
+    time_limit=opts.time_limit,
+    max_replans=opts.max_replans,
+  )
+  return _Keys(program_key, plan_key)
+
+
+def _versions() -> dict[str, str]:
+  return {name: importlib.metadata.version(name) for name in ("jax", "jaxlib", "jaxremat")}
+
+
+def _progress_printer(
+  enabled: bool | Callable[[Progress], None],
+) -> Callable[[Progress], None] | None:
+  """Prints a solve's progress to stderr every 2 s once it has run for 2 s."""
+  if callable(enabled):
+    return enabled
+  if not enabled:
+    return None
+  last = [0.0]
+
+  def report(p: Progress) -> None:
+    if p.elapsed_s >= 2.0 and p.elapsed_s - last[0] >= 2.0:
+      last[0] = p.elapsed_s
+      print(
+        f"jaxremat: solving for {p.elapsed_s:.0f} s; best duration {p.best_duration}, "
+        f"lower bound {p.lower_bound} {p.message}",
+        file=sys.stderr,
+      )
+
+  return report

@@ -1,0 +1,104 @@
+"""`Report`: the original and the optimized step side by side, as XLA measures them."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jaxremat._src.measure import Measurement, measure
+from jaxremat._src.planner import Plan
+from jaxremat._src.signature import FlatStep
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """The original and the optimized step side by side, as XLA measures them."""
+
+  plan: Plan
+  original: Measurement
+  optimized: Measurement
+
+  def recomputed(self) -> list[tuple[str, str, int]]:
+    """``(source, primitive, count)`` of recomputed nodes, most recomputations first."""
+    graph = self.plan.program.graph
+    counts = collections.Counter(self.plan.schedule.computes)
+    grouped: collections.Counter = collections.Counter()
+    for v, n in counts.items():
+      if n > 1:
+        attrs = graph.nodes[v].attrs
+        grouped[(attrs.get("source", "?"), attrs.get("primitive", graph.nodes[v].name))] += n - 1
+    return [(src, prim, n) for (src, prim), n in grouped.most_common()]
+
+  def __str__(self) -> str:
+    p, s = self.plan, self.plan.schedule.stats
+    mib = 2.0**20
+    orig, opt = self.original, self.optimized
+    met = "met" if opt.peak_bytes <= p.budget_bytes else "NOT met"
+
+    def ratio(a, b):
+      return f"x{a / b:.3f}" if a is not None and b else "n/a"
+
+    rows = [
+      ("", "original", "optimized", "ratio"),
+      (
+        "peak, model",
+        f"{s['baseline_peak_bytes'] / mib:.1f} MiB",
+        f"{s['peak_bytes'] / mib:.1f} MiB",
+        ratio(s["peak_bytes"], s["baseline_peak_bytes"]),
+      ),
+      (
+        "peak, XLA",
+        f"{orig.peak_bytes / mib:.1f} MiB",
+        f"{opt.peak_bytes / mib:.1f} MiB",
+        ratio(opt.peak_bytes, orig.peak_bytes),
+      ),
+      (
+        "duration, model",
+        f"{s['baseline_duration']:.3g}",
+        f"{s['duration']:.3g}",
+        ratio(s["duration"], s["baseline_duration"]),
+      ),
+      (
+        "FLOPs, XLA",
+        f"{orig.flops or 0:.3g}",
+        f"{opt.flops or 0:.3g}",
+        ratio(opt.flops, orig.flops),
+      ),
+      (
+        "wall time",
+        f"{(orig.wall_time_s or 0) * 1e3:.2f} ms",
+        f"{(opt.wall_time_s or 0) * 1e3:.2f} ms",
+        ratio(opt.wall_time_s, orig.wall_time_s),
+      ),
+    ]
+    lines = [
+      f"jaxremat: {p.program.graph.name} ({p.program.graph.n} nodes) on {opt.backend}",
+      f"budget {p.budget_bytes / mib:.1f} MiB: {met} (XLA measured {opt.peak_bytes / mib:.1f} MiB)",
+      f"solver {self.plan.schedule.solver}: {s.get('status')} in {s.get('solve_time_s', 0):.2f} s"
+      + (" (plan from cache)" if p.from_cache else f", {len(p.attempts)} plan(s)"),
+      "",
+    ]
+    lines += [f"{a:<16}{b:>14}{c:>14}{d:>9}" for a, b, c, d in rows]
+    recomputed = self.recomputed()
+    lines += [
+      "",
+      f"recomputed: {s.get('n_recompute', 0)} node computations"
+      + (", by source:" if recomputed else ""),
+    ]
+    lines += [f"  {n:4d} x {prim:<18} {src}" for src, prim, n in recomputed[:20]]
+    return "\n".join(lines)
+
+
+def make_report(
+  plan: Plan, fn: Callable[..., Any], args: tuple, kwargs: dict, *, runs: int = 5
+) -> Report:
+  """Measures the original ``fn`` and ``plan``'s step on these arguments, with the step's
+  donation (donated arguments are copied before each call)."""
+  signature = plan.compiled.signature
+  leaves = signature.dynamic_leaves(args, kwargs)
+  donated = signature.donated_leaves
+  original = measure(FlatStep(fn, signature), *leaves, runs=runs, donate_argnums=donated)
+  optimized = measure(plan.compiled.jitted, *leaves, runs=runs, donate_argnums=donated)
+  return Report(plan, original, optimized)
