@@ -83,12 +83,13 @@ def _run(graph, fraction, solver, time_limit, **options):
   try:
     s = jaxremat.solve(graph, fraction, solver, time_limit=time_limit, workers=2, **options)
   except InfeasibleBudgetError:
-    return {"status": "infeasible", **clocks()}
+    return {"status": "infeasible", "found_by": None, **clocks()}
   except NoScheduleFoundError:
-    return {"status": "none", **clocks()}
+    return {"status": "none", "found_by": None, **clocks()}
   st = s.stats
   return {
     "status": st["status"],
+    "found_by": st.get("found_by"),
     "peak_bytes": st["peak_bytes"],
     "peak_fraction": st["peak_bytes"] / st["baseline_peak_bytes"],
     "tdi_percent": st["tdi_percent"],
@@ -115,18 +116,22 @@ def _fmt(row):
 def part_heuristics(names, time_limit, solvers=HEURISTICS):
   """Every solver of ``solvers`` on every graph; rows of other solvers in the CSV are kept."""
   rows = []
-  print(f"\n{'graph':28} {'solver':15} " + " ".join(f"{m:>10}" for m in BUDGETS) + "   time s")
+  print(
+    f"\n{'graph':28} {'solver':15} " + " ".join(f"{m:>10}" for m in BUDGETS) + "   time s  found by"
+  )
   for name in names:
     graph = RematGraph.load(GRAPHS / f"{name}.json")
     for solver in solvers:
-      cells, total_s = [], 0.0
+      cells, total_s, found_by = [], 0.0, []
       for fraction in BUDGETS:
         row = {"graph": name, "solver": solver, "budget": fraction}
         row.update(_run(graph, fraction, solver, time_limit))
         rows.append(row)
         cells.append(_fmt(row))
         total_s += row["time_s"]
-      print(f"{name:28} {solver:15} " + " ".join(cells) + f" {total_s:8.2f}", flush=True)
+        found_by.append(row["found_by"] or "-")
+      found = ", ".join(dict.fromkeys(found_by))
+      print(f"{name:28} {solver:15} " + " ".join(cells) + f" {total_s:8.2f}  {found}", flush=True)
   path = RESULTS / "heuristics.csv"
   redone = {(r["graph"], r["solver"]) for r in rows}
   kept = [r for r in _read_csv(path) if (r["graph"], r["solver"]) not in redone]
@@ -211,7 +216,7 @@ def part_long(names, solver, time_limit):
     rows.append(row)
     print(
       f"{name:28} {solver} {time_limit:g}s: {_fmt(row)} wall {row['time_s']:.0f} s, "
-      f"cpu {row['cpu_s']:.0f} s, load {row['load_1min']:.1f}",
+      f"cpu {row['cpu_s']:.0f} s, load {row['load_1min']:.1f}, found by {row['found_by']}",
       flush=True,
     )
   path = RESULTS / f"heuristics.long_{solver}{time_limit:g}s.csv"
@@ -242,7 +247,9 @@ def _long_bounds():
 def part_auto(names, auto_time_limit, long_time_limit, heuristic_rows):
   rows = []
   long_bounds = _long_bounds()
-  print(f"\n{'graph':28} {'auto TDI':>9} {'s':>6} {'by':>12} {'best TDI':>9} {'from':>16}  gap")
+  print(
+    f"\n{'graph':28} {'auto TDI':>9} {'s':>6} {'best TDI':>9} {'from':>16} {'gap':>6}  found by"
+  )
   for name in names:
     graph = RematGraph.load(GRAPHS / f"{name}.json")
     row = {"graph": name, "budget": 0.8}
@@ -275,8 +282,9 @@ def part_auto(names, auto_time_limit, long_time_limit, heuristic_rows):
     )
     auto_tdi = f"{auto['tdi_percent']:.3f}" if "tdi_percent" in auto else auto["status"]
     print(
-      f"{name:28} {auto_tdi:>9} {auto['time_s']:6.1f} {str(auto.get('best_solver')):>12} "
-      f"{row.get('best_tdi_percent', math.nan):9.3f} {row.get('best_source', '-'):>16}  {gap:.3f}",
+      f"{name:28} {auto_tdi:>9} {auto['time_s']:6.1f} "
+      f"{row.get('best_tdi_percent', math.nan):9.3f} {row.get('best_source', '-'):>16} "
+      f"{gap:6.3f}  {auto.get('found_by') or '-'}",
       flush=True,
     )
   suffix = f"_long{long_time_limit:g}s" if long_time_limit else ""
@@ -314,7 +322,7 @@ def part_compare(names):
     if auto_tdi is not None:
       best["auto-60s"] = auto_tdi
     row = {"graph": name, "auto_status": auto["auto_status"], "auto_tdi_percent": auto_tdi}
-    for key in ("time_s", "cpu_s", "load_1min", "best_solver"):
+    for key in ("time_s", "cpu_s", "load_1min", "best_solver", "found_by"):
       row[f"auto_{key}"] = auto.get(f"auto_{key}")
     if best:
       source = min(best, key=lambda k: (best[k], k == "auto-60s"))  # ties: another run
@@ -323,10 +331,12 @@ def part_compare(names):
     rows.append(row)
     short = name.replace("checkmate_", "").replace("_train", "").replace("moccasin_", "")
     tdi = f"{auto_tdi:.3f}" if auto_tdi is not None else row["auto_status"]
+    # Rows written before `found_by` existed name the winning member only.
+    found_by = auto.get("auto_found_by") or auto.get("auto_best_solver") or "-"
     bound = f"{row['best_tdi_percent']:.3f}" if "best_tdi_percent" in row else "-"
     print(
       f"| {short} | {tdi} | {float(auto['auto_time_s']):.1f} | {float(auto['auto_cpu_s']):.1f} "
-      f"| {float(auto['auto_load_1min']):.1f} | {auto.get('auto_best_solver') or '-'} | {bound} "
+      f"| {float(auto['auto_load_1min']):.1f} | {found_by} | {bound} "
       f"| {row.get('best_source', '-')} | {row.get('gap_points', math.nan):.3f} |"
     )
   _write_csv(RESULTS / "heuristics.compare.csv", rows)

@@ -79,6 +79,10 @@ def run_one(
 ) -> dict:
   """Solves one row; failures are rows too (status none / infeasible).
 
+  ``found_by`` says which part of the solver found the schedule (warm start, CP-SAT or
+  MILP search, LP rounding); a `NoScheduleFoundError` from a solver that proved its own
+  model infeasible leaves that model's bound in ``restricted_bound_bytes``.
+
   ``cpu_history`` pairs each better schedule's duration with this process's CPU seconds
   (`time.process_time`) at that moment: on a shared machine, CPU seconds / workers
   approximates the wall time of an idle one.
@@ -119,6 +123,7 @@ def run_one(
       time_to_best_s=stats.get("time_to_best_s"),
       lower_bound=stats.get("lower_bound"),
       n_recompute=stats["n_recompute"],
+      found_by=stats.get("found_by"),
     )
     row["history"] = stats.get("history", [])
     row["baseline_duration"] = stats["baseline_duration"]
@@ -128,6 +133,7 @@ def run_one(
     row.update(status="infeasible", error=str(e))
   except NoScheduleFoundError as e:
     row.update(status="none", error=str(e))
+    row["restricted_bound_bytes"] = getattr(e, "restricted_bound_bytes", None)
   row["total_s"] = time.perf_counter() - start
   row["cpu_s"] = time.process_time() - cpu_start
   row["cpu_history"] = cpu_history
@@ -178,6 +184,7 @@ HEAD = (
   "solver",
   "order",
   "status",
+  "found by",
   "TDI %",
   "target s",
   "target CPU s",
@@ -204,6 +211,7 @@ def print_table(rows: list[dict], header: bool = True) -> None:
       r["solver"],
       r.get("order", ""),
       r["status"],
+      r.get("found_by") or "-",
       fmt(r.get("tdi_percent")),
       fmt(r.get("time_to_target_s"), ".2f"),
       fmt(r.get("cpu_to_target_s"), ".2f"),
@@ -294,6 +302,7 @@ def main(argv: list[str]) -> None:
     "solver",
     "order",
     "status",
+    "found_by",
     "tdi_percent",
     "time_to_best_s",
     "time_to_target_s",
@@ -310,6 +319,7 @@ def main(argv: list[str]) -> None:
     "lower_bound",
     "workers",
     "load_1min",
+    "restricted_bound_bytes",
     "error",
   ]
   with open(RESULTS / f"{args.tag}.csv", "w", newline="") as f:

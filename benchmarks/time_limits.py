@@ -33,17 +33,20 @@ def main() -> None:
   args = parser.parse_args()
   graph = RematGraph.load(GRAPHS / f"{args.graph}.json")
   rows = []
-  print(f"{'solver':<16}{'limit s':>8}{'wall s':>8}{'over s':>8}  {'outcome':<22}{'load':>6}")
+  print(
+    f"{'solver':<16}{'limit s':>8}{'wall s':>8}{'over s':>8}  {'outcome':<22}{'load':>6}  found by"
+  )
   for solver in jaxremat.available_solvers():
     get_solver(solver)
     for limit in args.time_limit:
       start = time.perf_counter()
       try:
-        outcome = jaxremat.solve(
+        stats = jaxremat.solve(
           graph, 0.8, solver=solver, time_limit=limit, workers=args.workers
-        ).stats["status"]
+        ).stats
+        outcome, found_by = stats["status"], stats.get("found_by")
       except (InfeasibleBudgetError, NoScheduleFoundError) as e:
-        outcome = type(e).__name__
+        outcome, found_by = type(e).__name__, None
       wall_s = time.perf_counter() - start
       load = os.getloadavg()[0]
       row = dict(
@@ -53,11 +56,13 @@ def main() -> None:
         wall_s=round(wall_s, 3),
         overrun_s=round(max(0.0, wall_s - limit), 3),
         outcome=outcome,
+        found_by=found_by,
         load_1min=round(load, 2),
       )
       rows.append(row)
       print(
-        f"{solver:<16}{limit:>8g}{wall_s:>8.2f}{row['overrun_s']:>8.2f}  {outcome:<22}{load:>6.1f}",
+        f"{solver:<16}{limit:>8g}{wall_s:>8.2f}{row['overrun_s']:>8.2f}  {outcome:<22}{load:>6.1f}"
+        f"  {found_by or '-'}",
         flush=True,
       )
   out = ROOT / "benchmarks" / "results" / "time_limits.csv"

@@ -560,7 +560,12 @@ def test_optimized_step_with_wrong_arguments(tmp_path):
 
 
 OPTIMIZE_CASES = [
-  (lambda: jaxremat.optimize(lambda a: a * 2.0, budget=1.0), (3.0,), UnsupportedError, "without"),
+  (
+    lambda: jaxremat.optimize(lambda s: jnp.ones(3).sum() * len(s), budget=1.0),
+    ("mode",),
+    UnsupportedError,
+    "without",
+  ),
   (lambda: jaxremat.optimize(lambda: jnp.ones(3).sum(), budget=1.0), (), UnsupportedError, "array"),
   (
     lambda: jaxremat.optimize(lambda n: jnp.ones(n).sum(), budget=1.0, static_argnums=0),
@@ -578,12 +583,6 @@ OPTIMIZE_CASES = [
     (PARAMS, X),
     ValueError,
     "solver='nope' is not a known solver",
-  ),
-  (
-    lambda: jaxremat.optimize(_loss, budget=1.0, time_limit=0),
-    (PARAMS, X),
-    ValueError,
-    "time_limit=0 must be a positive",
   ),
   (
     lambda: jaxremat.optimize(_loss, budget=1.0, fence="wall"),
@@ -623,8 +622,10 @@ def test_bad_optimize_call(tmp_path, monkeypatch, make, args, error, fragment):
   [
     (lambda: jaxremat.optimize(3, budget=1.0), "fn=3 is not callable"),
     (lambda: jaxremat.optimize(_loss, budget=1.0, max_replans=-1), "max_replans=-1"),
+    (lambda: jaxremat.optimize(_loss, budget=1.0, time_limit=0), "time_limit=0 must be a positive"),
+    (lambda: jaxremat.optimize(_loss, budget=1.0, verify="maybe"), "verify='maybe' must be"),
   ],
-  ids=["not callable", "negative max_replans"],
+  ids=["not callable", "negative max_replans", "zero time_limit", "unknown verify"],
 )
 def test_bad_optimize_arguments_fail_at_once(call, fragment):
   with pytest.raises((TypeError, ValueError), match=fragment):

@@ -21,7 +21,8 @@ from jaxremat import (
   simulate,
 )
 from jaxremat._src.solvers import checkmate
-from jaxremat._src.solvers.exact_common import Clock, warm_start_computes
+from jaxremat._src.solvers.base import get_solver
+from jaxremat._src.solvers.exact_common import Clock, duration_of, warm_start_computes
 from jaxremat._src.solvers.moccasin import bounded_by_duration, copy_counts
 
 SEEDS = range(10)
@@ -113,9 +114,12 @@ def brute_force(graph: RematGraph, budget_bytes: int, kind: str) -> float | None
 
 
 def solve_or_none(graph, budget_bytes, solver, **options):
+  """The optimal duration for the solver's model, or None where it proved the model
+  infeasible (a `NoScheduleFoundError` with the model's bound, never a proof for all)."""
   try:
     schedule = jaxremat.solve(graph, budget_bytes, solver, time_limit=20, workers=2, **options)
-  except InfeasibleBudgetError:
+  except NoScheduleFoundError as e:
+    assert e.restricted_bound_bytes > budget_bytes, e
     return None
   check = simulate(graph, schedule)
   assert check.valid and check.peak_bytes <= budget_bytes
@@ -160,7 +164,8 @@ def test_staged_hint_is_a_solution_of_the_checkmate_milp():
   for seed in range(30):
     graph = random_graph(seed)
     budget = random_budget(graph, seed)
-    start = warm_start_computes(graph, budget, staged=True, time_limit_s=5)
+    warm = warm_start_computes(graph, budget, staged=True, time_limit_s=5)
+    start = warm.computes if warm else None
     solver = pywraplp.Solver.CreateSolver("SCIP")
     milp = checkmate._build(graph, budget, solver, True, Clock(None), 60)
     hint = checkmate._staged_hint(milp, graph, start) if start else None
@@ -194,9 +199,10 @@ def test_a_hint_within_budget_bounds_the_model_and_keeps_the_optimum():
   for seed in SEEDS:
     graph = random_graph(seed)
     budget = random_budget(graph, seed)
-    start = warm_start_computes(graph, budget, staged=True, time_limit_s=5)
-    if start is None:
+    warm = warm_start_computes(graph, budget, staged=True, time_limit_s=5)
+    if warm is None:
       continue
+    start = warm.computes
     assert list(dict.fromkeys(start)) == list(graph.order)  # fits the staged model
     n = len(graph.order)
     hint = schedule_from_computes(graph, start)
@@ -219,7 +225,8 @@ def test_warm_start_takes_covers_schedule_where_eviction_thrashes(staged):
   optimum 2.296%. The warm start is the shortest candidate, so it is cover's."""
   graph = shared_graph("moccasin_rl100")
   budget = jaxremat.parse_budget(0.8, simulate(graph, baseline_schedule(graph)).peak_bytes)
-  start = warm_start_computes(graph, budget, staged=staged, time_limit_s=60)
+  start, found_by = warm_start_computes(graph, budget, staged=staged, time_limit_s=60)
+  assert found_by.startswith("warm start: cover") or "refinement of cover" in found_by
   result = simulate(graph, schedule_from_computes(graph, start))
   assert result.valid and result.peak_bytes <= budget
   assert result.duration <= 1.0235 * sum(graph.cost[v] for v in graph.order)
@@ -253,22 +260,86 @@ def chain_with_skip() -> RematGraph:
   return RematGraph.build([2, 3, 3, 1], [1, 1, 1, 1], [(0, 1), (1, 2), (2, 3), (0, 3)])
 
 
+def early_output() -> RematGraph:
+  """Input 0 (3 bytes) feeds outputs 3 and 4 (5 bytes each); 1 -> 2 -> 3 and 1 -> 4.
+
+  In the input order (1, 2, 3, 4) output 3 is held while 4 is computed with 1 and the
+  input: 3 + 5 + 3 + 5 = 16 bytes. Computing 4 before 3 (or 3 again after 4) peaks at
+  14. Checkmate's stages cannot recompute after the last stage, so its model needs 15.
+  """
+  return RematGraph.build(
+    [3, 3, 1, 5, 5], [1, 1, 1, 1, 1], [(0, 3), (0, 4), (1, 2), (1, 4), (2, 3)], inputs=[0]
+  )
+
+
 @pytest.mark.parametrize("solver", ["moccasin", "checkmate", "checkmate-lp"])
 def test_budget_below_the_lower_bound_raises(solver):
   graph = chain_with_skip()
   with pytest.raises(InfeasibleBudgetError) as info:
     jaxremat.solve(graph, graph.min_feasible_bytes - 1, solver, time_limit=5, workers=2)
   assert info.value.min_feasible_bytes == graph.min_feasible_bytes
+  assert "inputs and output of #2" in str(info.value)  # the message states its proof
 
 
-def test_moccasin_proves_its_model_infeasible():
+@pytest.mark.parametrize("solver", ["moccasin", "checkmate", "checkmate-lp", "noremat"])
+def test_solvers_check_the_proven_bound_first_when_called_directly(solver):
+  graph = chain_with_skip()
+  with pytest.raises(InfeasibleBudgetError):
+    get_solver(solver)(graph, 5, time_limit_s=5, workers=1, progress=None)
+
+
+def test_moccasin_reports_its_model_infeasible_without_claiming_a_proof():
   # A diamond whose join needs both branches live: the budget passes the simple bound
   # (3 + 3 + 1 = 7 at the join) but the root must also be live while a branch is computed.
+  # CP-SAT proves its model (4 copies, free order) infeasible; that is no proof for every
+  # schedule, so the answer is NoScheduleFoundError carrying the model's bound.
   graph = RematGraph.build([4, 3, 3, 1], [1, 1, 1, 1], [(0, 1), (0, 2), (1, 3), (2, 3)])
   budget = graph.min_feasible_bytes
   assert brute_force(graph, budget, "free") is None
-  with pytest.raises(InfeasibleBudgetError):
+  with pytest.raises(NoScheduleFoundError, match="bounds this model only") as info:
     jaxremat.solve(graph, budget, "moccasin", order="free", copies=4, time_limit=10, workers=2)
+  assert not isinstance(info.value, InfeasibleBudgetError)
+  assert info.value.restricted_bound_bytes == 10 > budget
+
+
+def test_too_few_copies_is_no_schedule_found_where_more_copies_fit():
+  # With C_v = 1 nothing is recomputed: the staged model peaks at 8 bytes. One
+  # recomputation of node 0 fits 6, so 8 bounds the model, not the graph.
+  graph, budget = chain_with_skip(), 6
+  with pytest.raises(NoScheduleFoundError, match="raise the copies") as info:
+    jaxremat.solve(graph, budget, "moccasin", copies=1, warm_start=False, time_limit=10)
+  assert not isinstance(info.value, InfeasibleBudgetError)
+  assert info.value.restricted_bound_bytes == 8
+  more = jaxremat.solve(graph, budget, "moccasin", copies=2, warm_start=False, time_limit=10)
+  assert more.stats["peak_bytes"] <= budget and more.stats["n_recompute"] == 1
+
+
+@pytest.mark.parametrize("backend", ["SCIP", "HIGHS"])
+def test_checkmate_model_infeasible_is_no_schedule_found_where_a_free_order_fits(backend):
+  graph, budget = early_output(), 14
+  assert brute_force(graph, budget, "checkmate") is None
+  assert brute_force(graph, budget, "free") == 4
+  with pytest.raises(NoScheduleFoundError, match="Checkmate model") as info:
+    jaxremat.solve(graph, budget, "checkmate", backend=backend, time_limit=10, workers=1)
+  assert not isinstance(info.value, InfeasibleBudgetError)
+  assert info.value.restricted_bound_bytes == budget + 1
+  free = jaxremat.solve(graph, budget, "moccasin", order="free", time_limit=10, workers=1)
+  assert free.stats["duration"] == 4 and free.stats["peak_bytes"] <= budget
+  with pytest.raises(NoScheduleFoundError, match="without recomputation peaks at 16 bytes"):
+    jaxremat.solve(graph, budget, "noremat")
+
+
+def test_checkmate_lp_relaxation_infeasible_is_no_schedule_found():
+  # Outputs 1, 2 and 3 need 13 bytes at the end, over budget 8 = min_feasible_bytes (the
+  # largest compute alone). The LP relaxation sees it; it proves the Checkmate model
+  # infeasible, which the solver reports as such, with no claim about every schedule.
+  graph = RematGraph.build([2, 6, 1, 6], [1, 1, 1, 1], [(0, 1), (0, 2), (0, 3)])
+  budget = graph.min_feasible_bytes
+  assert budget == 8
+  with pytest.raises(NoScheduleFoundError, match="LP relaxation infeasible") as info:
+    jaxremat.solve(graph, budget, "checkmate-lp", time_limit=10, workers=1)
+  assert not isinstance(info.value, InfeasibleBudgetError)
+  assert info.value.restricted_bound_bytes == budget + 1
 
 
 def test_recomputation_under_a_tight_budget():
@@ -292,8 +363,59 @@ def test_hint_is_a_warm_start_and_raises_copies():
   )
   assert again.stats["duration"] == expected
   assert again.stats["history"][0][1] == expected  # the hint itself was the first best
-  with pytest.raises(InfeasibleBudgetError):
-    jaxremat.solve(graph, budget, "moccasin", copies=1, warm_start=False, time_limit=10)
+  assert again.stats["found_by"] == "hint"  # returned as given: nothing is shorter
+
+
+# -- who found the schedule ------------------------------------------------------------
+
+
+def cp_sat_beats_cover() -> tuple[RematGraph, int]:
+  """A DAG where the staged warm start (cover-staged, 28) is not optimal (26) at budget 28."""
+  graph = RematGraph.build(
+    [4, 5, 4, 6, 5, 4, 4, 5, 4],
+    [5, 1, 1, 2, 3, 3, 3, 4, 3],
+    [(0, 1), (0, 2), (0, 6), (1, 2), (1, 3), (1, 4), (1, 8), (3, 5), (3, 7), (5, 6)],
+  )
+  return graph, 28
+
+
+@pytest.mark.parametrize("solver", ["moccasin", "checkmate"])
+def test_found_by_names_the_warm_start_that_the_search_cannot_improve(solver):
+  graph, budget = chain_with_skip(), 6
+  warm = warm_start_computes(graph, budget, staged=True, time_limit_s=5)
+  assert warm.found_by == "warm start: cover-staged"
+  assert duration_of(graph, warm.computes) == brute_force(graph, budget, "staged") == 5
+  schedule = jaxremat.solve(graph, budget, solver, time_limit=10, workers=1)
+  assert schedule.stats["found_by"] == warm.found_by
+  assert list(schedule.computes) == warm.computes  # the warm start itself
+
+
+@pytest.mark.parametrize("solver", ["moccasin", "checkmate"])
+def test_found_by_names_the_exact_search_where_it_improves_on_the_warm_start(solver):
+  graph, budget = cp_sat_beats_cover()
+  warm = warm_start_computes(graph, budget, staged=True, time_limit_s=5)
+  assert warm.found_by == "warm start: cover-staged" and duration_of(graph, warm.computes) == 28
+  schedule = jaxremat.solve(graph, budget, solver, time_limit=20, workers=1)
+  assert schedule.stats["duration"] == brute_force(graph, budget, "staged") == 26
+  expected = "cp-sat search: phase 2" if solver == "moccasin" else "milp search (SCIP)"
+  assert schedule.stats["found_by"] == expected
+  # The same from a hint: the search, not the hint, found the answer.
+  hint = schedule_from_computes(graph, warm.computes)
+  again = jaxremat.solve(graph, budget, solver, hint=hint, time_limit=20, workers=1)
+  assert again.stats["duration"] == 26 and again.stats["found_by"] == expected
+
+
+def test_found_by_of_the_phase1_search_and_of_lp_rounding():
+  graph, budget = chain_with_skip(), 6
+  # No warm start: phase 1 finds a schedule within budget, phase 2 shortens it.
+  cold = jaxremat.solve(graph, budget, "moccasin", warm_start=False, time_limit=10, workers=1)
+  assert cold.stats["found_by"] == "cp-sat search: phase 2"
+  assert [d for _, d in cold.stats["history"]][-1] == 5
+  # The MILP from scratch, and the LP's rounding.
+  mip = jaxremat.solve(graph, budget, "checkmate", warm_start=False, time_limit=10, workers=1)
+  assert mip.stats["found_by"] == "milp search (SCIP)"
+  lp = jaxremat.solve(*cp_sat_beats_cover(), "checkmate-lp", time_limit=10, workers=1)
+  assert lp.stats["found_by"].startswith("lp rounding: epsilon=")
 
 
 def test_invalid_hint_and_options_are_rejected():

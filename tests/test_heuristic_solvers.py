@@ -316,7 +316,21 @@ def test_auto_returns_the_baseline_when_it_fits():
   g = shared_graph("checkmate_vgg16_train")
   s = jaxremat.solve(g, 1.0, "auto")
   assert s.stats["status"] == "optimal" and s.stats["best_solver"] == "noremat"
+  assert s.stats["found_by"] == "noremat"
   assert s.stats["tdi_percent"] == 0.0
+
+
+def test_noremat_over_budget_is_no_schedule_found_where_recomputation_fits():
+  # 0 -> 1 -> 2 -> 3 and 0 -> 3: the input order holds node 0 across the chain (8 bytes);
+  # recomputing it before node 3 fits 6. The no-remat peak bounds one schedule only.
+  g = RematGraph.build([2, 3, 3, 1], [1, 1, 1, 1], [(0, 1), (1, 2), (2, 3), (0, 3)])
+  with pytest.raises(NoScheduleFoundError, match="peaks at 8 bytes") as info:
+    jaxremat.solve(g, 6, "noremat")
+  assert not isinstance(info.value, InfeasibleBudgetError)
+  s = jaxremat.solve(g, 6, "cover")
+  assert s.stats["peak_bytes"] <= 6 and s.stats["found_by"] == "cover"
+  with pytest.raises(InfeasibleBudgetError, match="inputs and output of #2"):
+    jaxremat.solve(g, 5, "noremat")  # below the proven bound: infeasible, with its proof
 
 
 def test_auto_without_an_exact_solver_takes_the_best_heuristic():
@@ -349,6 +363,10 @@ def test_auto_warm_starts_the_staged_exact_solver_from_cover():
   # starts within budget and can only improve on it.
   assert portfolio["moccasin"] <= portfolio["cover-staged"]
   assert s.stats["tdi_percent"] <= 2.2965  # the optimum, 2.29647%
+  # The winner, and who inside it found the schedule: cover-staged, or MOCCASIN's search
+  # where it shortened cover's hint (a hint returned as given does not win: no shorter).
+  assert s.stats["found_by"] in ("cover-staged", "moccasin (cp-sat search: phase 2)")
+  assert s.stats["found_by"].startswith(s.stats["best_solver"])
 
 
 def test_is_staged_compares_first_computes_with_the_input_order():

@@ -1,7 +1,8 @@
 """Every registered solver x every shared graph x budgets 1.0, 0.9, 0.8, 0.7.
 
-Each answer is a schedule that `simulate` accepts within budget, or an
-`InfeasibleBudgetError` / `NoScheduleFoundError`; a second run gives the same answer.
+Each answer is a schedule that `simulate` accepts within budget and whose stats say who
+found it (``found_by``), or an `InfeasibleBudgetError` (only below the proven bound
+``graph.min_feasible_bytes``) / `NoScheduleFoundError`; a second run gives the same answer.
 The default run covers every solver on the small graphs (exact solvers with a short
 time limit); the full product is marked slow (``pytest -m slow``).
 """
@@ -69,8 +70,16 @@ def _check(name, solver, fraction, time_limit):
     assert result.peak_bytes <= budget_bytes == schedule.budget
     assert schedule.stats["status"] in ("optimal", "feasible")
     assert result.duration == schedule.stats["duration"]
+    found_by = schedule.stats["found_by"]
+    assert isinstance(found_by, str) and found_by
+    if solver == "auto":
+      assert found_by.startswith(schedule.stats["best_solver"])
+    elif solver not in TIMED:
+      assert found_by == solver
   elif kind == "InfeasibleBudgetError":
-    assert budget_bytes < graph.min_feasible_bytes or solver in TIMED | {"noremat"}
+    # Raised only with a proof for every schedule: the bound of `require_feasible`.
+    assert budget_bytes < graph.min_feasible_bytes
+    assert f"smallest feasible peak of {graph.min_feasible_bytes} bytes" in detail
   else:
     assert "budget" in detail  # the message names the budget it missed
   kind2, detail2, _ = _answer(graph, fraction, solver, time_limit)

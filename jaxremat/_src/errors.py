@@ -84,15 +84,31 @@ class BudgetNotMetError(JaxrematError, RuntimeError):
 
 
 class NoScheduleFoundError(JaxrematError, RuntimeError):
-  """A solver ended (time limit, node limit) without any schedule within the budget.
+  """A solver ended (time limit, node limit, its own model) without any schedule within the
+  budget.
 
-  Unlike :class:`InfeasibleBudgetError` this proves nothing: a longer time limit or
-  another solver may still succeed.
+  Unlike :class:`InfeasibleBudgetError` this proves nothing about the graph: a longer time
+  limit or another solver may still succeed.
+
+  Attributes:
+    restricted_bound_bytes: where an exact solver proved its own restricted model
+      infeasible (C_v copies, a staged or input order), the least peak of that model's
+      schedules; None otherwise.
   """
+
+  def __init__(self, message: str, restricted_bound_bytes: int | None = None):
+    super().__init__(message)
+    self.restricted_bound_bytes = (
+      None if restricted_bound_bytes is None else int(restricted_bound_bytes)
+    )
 
 
 class SolverError(JaxrematError, RuntimeError):
   """A solver broke its contract (e.g. returned a schedule the simulator rejects)."""
+
+
+class TargetUnavailableError(JaxrematError, RuntimeError):
+  """A target's compiler is not installed or could not start in this process."""
 
 
 class UnsupportedError(JaxrematError, ValueError):

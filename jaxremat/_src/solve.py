@@ -47,11 +47,15 @@ def solve(
     A `Schedule` that `simulate` accepts with peak <= budget. ``stats`` holds
     ``status``, ``duration``, ``peak_bytes``, ``tdi_percent``, ``n_recompute``,
     ``baseline_duration``, ``baseline_peak_bytes``, ``solve_time_s`` and the solver's own
-    figures (``lower_bound``, ``time_to_best_s``, ``history``) where it has them.
+    figures (``found_by``, ``lower_bound``, ``time_to_best_s``, ``history``) where it has
+    them.
 
   Raises:
-    InfeasibleBudgetError: the budget is below a proven lower bound (``min_feasible_bytes``).
-    NoScheduleFoundError: the solver found nothing within the time limit.
+    InfeasibleBudgetError: the budget is below ``graph.min_feasible_bytes``, a lower bound
+      on the peak of every schedule; the message states its proof.
+    NoScheduleFoundError: the solver found nothing within the time limit, or proved only
+      that no schedule of its own kind fits (a fixed order, C_v copies, no
+      recomputation): another solver or option may still succeed.
     BudgetError: the budget cannot be parsed.
 
   Example:

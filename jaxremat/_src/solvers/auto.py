@@ -56,6 +56,12 @@ _EXACT_MARGIN = 0.1
 _EXACT_MAX_NODES_WITHOUT_HINT = 500
 
 
+def found_by_member(name: str, found_by: str | None) -> str:
+  """``stats["found_by"]`` of `auto`: the member ``name``, and its own ``found_by`` where
+  that says more than its name ("moccasin (warm start: cover-staged)")."""
+  return name if found_by in (None, name) else f"{name} ({found_by})"
+
+
 def solve_auto(
   graph: RematGraph,
   budget_bytes: int,
@@ -87,17 +93,27 @@ def solve_auto(
 
   Returns:
     A schedule with ``stats``: ``status`` ("optimal" only when no recomputation was
-    needed), ``lower_bound``, ``time_to_best_s``, ``history``, ``best_solver`` and
+    needed), ``lower_bound``, ``time_to_best_s``, ``history``, ``best_solver``,
+    ``found_by`` (`found_by_member`: the member whose schedule won and, where it says
+    more, that member's own ``found_by``, e.g. "moccasin (cp-sat search: phase 2)") and
     ``portfolio`` (each solver's duration, or why it found nothing).
 
   Raises:
-    InfeasibleBudgetError: the budget is below ``graph.min_feasible_bytes``.
-    NoScheduleFoundError: no solver found a schedule within budget in time.
+    InfeasibleBudgetError: the budget is below ``graph.min_feasible_bytes``, a bound on
+      every schedule.
+    NoScheduleFoundError: no solver found a schedule within budget in time (the
+      members' own failures prove nothing about other schedules).
   """
   start = time.perf_counter()
   lower_bound = float(sum(graph.cost[v] for v in graph.order))
   graph.require_feasible(budget_bytes)
-  best: dict[str, Any] = {"schedule": None, "duration": None, "solver": None, "time_s": None}
+  best: dict[str, Any] = {
+    "schedule": None,
+    "duration": None,
+    "solver": None,
+    "found_by": None,
+    "time_s": None,
+  }
   found: list[tuple[float, Schedule]] = []  # every schedule within budget, with its duration
   portfolio: dict[str, Any] = {}
   history: list[list[float]] = []
@@ -113,10 +129,17 @@ def solve_auto(
     portfolio[name] = result.duration
     found.append((result.duration, schedule))
     if best["duration"] is None or result.duration < best["duration"]:
-      best.update(schedule=schedule, duration=result.duration, solver=name, time_s=elapsed())
+      found_by = found_by_member(name, schedule.stats.get("found_by"))
+      best.update(
+        schedule=schedule,
+        duration=result.duration,
+        solver=name,
+        found_by=found_by,
+        time_s=elapsed(),
+      )
       history.append([elapsed(), result.duration])
       if progress is not None:
-        progress(Progress(elapsed(), result.duration, lower_bound, f"auto: {name}"))
+        progress(Progress(elapsed(), result.duration, lower_bound, f"auto: {found_by}"))
 
   def finish(status: str) -> Schedule:
     stats = {
@@ -125,6 +148,7 @@ def solve_auto(
       "time_to_best_s": best["time_s"],
       "history": history,
       "best_solver": best["solver"],
+      "found_by": best["found_by"],
       "portfolio": portfolio,
     }
     return best["schedule"].replace(budget=budget_bytes, solver="auto", stats=stats)

@@ -35,12 +35,20 @@ class Solver(Protocol):
   """``solver(graph, budget_bytes, *, time_limit_s, workers, progress, **options)``.
 
   Returns a `Schedule` whose peak is within ``budget_bytes`` and whose ``stats`` hold
-  at least ``status`` ("optimal" or "feasible"), and where known ``lower_bound``
-  (duration), ``time_to_best_s`` and ``history`` ([[elapsed_s, duration], ...]).
+  at least ``status`` ("optimal" or "feasible") and ``found_by`` (which part of the
+  solver found the schedule: its own name for a heuristic; "hint", "warm start: ...",
+  "cp-sat search: ...", "milp search (...)", "lp rounding: ..." for the exact solvers),
+  and where known ``lower_bound`` (duration), ``time_to_best_s`` and ``history``
+  ([[elapsed_s, duration], ...]).
 
   Raises:
-    InfeasibleBudgetError: the solver proved no schedule of its kind fits.
-    NoScheduleFoundError: it stopped (time limit) without finding one.
+    InfeasibleBudgetError: only where the bound is proven for every schedule of the
+      graph: each solver starts with `RematGraph.require_feasible` (``budget_bytes``
+      below ``graph.min_feasible_bytes``).
+    NoScheduleFoundError: it found no schedule, whether it stopped (time limit) or
+      proved that none of its own kind fits (a fixed order, C_v copies, no
+      recomputation); that proves nothing about other schedules. Exact solvers put the
+      least peak they proved for their model in ``restricted_bound_bytes``.
   """
 
   def __call__(

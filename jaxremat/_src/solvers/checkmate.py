@@ -18,19 +18,22 @@ from typing import Any
 
 from ortools.linear_solver import pywraplp
 
-from jaxremat._src.errors import InfeasibleBudgetError, NoScheduleFoundError, SolverError
+from jaxremat._src.errors import NoScheduleFoundError, SolverError
 from jaxremat._src.graph import RematGraph
 from jaxremat._src.schedule import Schedule, schedule_from_computes
 from jaxremat._src.simulate import simulate
 from jaxremat._src.solvers.base import ProgressCallback
 from jaxremat._src.solvers.exact_common import (
+  FOUND_BY_EMPTY,
   WARM_START_SHARE,
   Clock,
+  FoundComputes,
   checked_schedule,
   duration_of,
   integer_costs,
   is_staged,
   memory_unit,
+  restricted_model_error,
   warm_start_computes,
 )
 
@@ -43,6 +46,14 @@ LP_BACKENDS = ("GLOP", "HIGHS_LP", "CLP", "PDLP")
 # is given to HiGHS, so the others get none.
 HINT_BACKENDS = ("SCIP", "SAT")
 BOUND_SCOPE = "checkmate model: input order, frontier-advancing stages"
+# What an infeasible Checkmate program proves, and what to try instead.
+MSG_MODEL_INFEASIBLE = (
+  "solver {solver!r} found no schedule of graph {graph!r} within budget={budget} bytes: {what} "
+  "proved that no schedule of the Checkmate model (first computes in the input order, "
+  "recomputations only within the frontier-advancing stages) fits. That bounds this model "
+  "only, not every schedule; try solver='moccasin' with order='free' or solver='auto', "
+  "or raise the budget."
+)
 
 
 def _create_solver(backend: str, choices: tuple[str, ...], argument: str) -> pywraplp.Solver:
@@ -234,7 +245,9 @@ def solve_checkmate(
   """Checkmate's MILP solved by an OR-Tools MIP backend.
 
   ``stats["status"]`` "optimal" means optimal for the Checkmate model (input order,
-  frontier-advancing stages); ``lower_bound`` is the backend's bound for that model.
+  frontier-advancing stages); ``lower_bound`` is the backend's bound for that model;
+  ``found_by`` is "hint" or "warm start: ..." when the start is returned (the backend
+  found nothing shorter), else "milp search (<backend>)".
 
   Args:
     graph: the graph.
@@ -255,29 +268,38 @@ def solve_checkmate(
     A schedule that `simulate` accepts with peak <= ``budget_bytes``.
 
   Raises:
-    InfeasibleBudgetError: the backend proved the MILP infeasible.
-    NoScheduleFoundError: the time limit passed without an integer solution.
+    InfeasibleBudgetError: ``budget_bytes`` is below ``graph.min_feasible_bytes``, a
+      bound on every schedule (`RematGraph.require_feasible`).
+    NoScheduleFoundError: the time limit passed without an integer solution, or the
+      backend proved the MILP infeasible; the latter proves nothing about schedules
+      outside the Checkmate model, and the error's ``restricted_bound_bytes`` is
+      ``budget_bytes + 1``.
 
   References:
     Jain et al., "Checkmate: Breaking the Memory Wall with Optimal Tensor
     Rematerialization", MLSys 2020, section 4.
   """
+  graph.require_feasible(budget_bytes)
   clock = Clock(progress)
   if not graph.order:
-    return Schedule((), graph.name, budget_bytes, "checkmate", {"status": "optimal"})
+    stats = {"status": "optimal", "found_by": FOUND_BY_EMPTY}
+    return Schedule((), graph.name, budget_bytes, "checkmate", stats)
   solver = _create_solver(backend, MIP_BACKENDS, "backend")
-  heuristic = list(hint.computes) if hint is not None else None
+  heuristic = FoundComputes(list(hint.computes), "hint") if hint is not None else None
   if heuristic is None and warm_start:
     heuristic = warm_start_computes(graph, budget_bytes, True, WARM_START_SHARE * time_limit_s)
   milp = _build(graph, budget_bytes, solver, True, clock, time_limit_s)
-  rewritten = _staged_hint(milp, graph, heuristic) if heuristic is not None else None
+  rewritten = _staged_hint(milp, graph, heuristic.computes) if heuristic is not None else None
   start = None  # the warm start in the model's stages, when it fits the budget there
   if rewritten is not None:
     in_order, values = rewritten
     result = simulate(graph, schedule_from_computes(graph, in_order))
     if result.valid and result.peak_bytes <= budget_bytes:
-      start = in_order
-      clock.improved(result.duration, message="checkmate: warm start")
+      found_by = heuristic.found_by
+      if in_order != heuristic.computes:
+        found_by += " (reordered into the model's stages)"
+      start = FoundComputes(in_order, found_by)
+      clock.improved(result.duration, message=f"checkmate: {found_by}")
       if solver.backend_name in HINT_BACKENDS:
         solver.SetHint([x for x, _ in values], [value for _, value in values])
   solver.SetTimeLimit(max(1, int(1000 * (time_limit_s - clock.elapsed_s()))))
@@ -286,11 +308,14 @@ def solve_checkmate(
     solver.EnableOutput()
   status = solver.Solve()
   if status == pywraplp.Solver.INFEASIBLE:
-    raise InfeasibleBudgetError(
-      budget_bytes,
-      max(graph.min_feasible_bytes, budget_bytes + 1),  # proved: nothing within the budget
-      f"the {solver.backend_name} backend proved the Checkmate MILP infeasible for the "
-      "input order; a free order (moccasin, order='free') may still fit",
+    raise restricted_model_error(
+      MSG_MODEL_INFEASIBLE.format(
+        solver="checkmate",
+        graph=graph.name,
+        budget=budget_bytes,
+        what=f"the {solver.backend_name} backend",
+      ),
+      budget_bytes + 1,
     )
   solved = status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
   if not solved and start is None:
@@ -299,27 +324,29 @@ def solve_checkmate(
       f"{budget_bytes} bytes in time_limit_s={time_limit_s:g}; raise the time limit or "
       "use solver='moccasin'."
     )
-  computes = start
+  best = start
   if solved:
     found = _computes_from(
       milp, lambda t, i: _value(milp.R[t, i]) > 0.5, lambda t, i: _value(milp.S[t, i]) > 0.5
     )
-    if start is None or duration_of(graph, found) <= duration_of(graph, start):
-      computes = found
-  duration = duration_of(graph, computes)
+    # From a hint the backend reports the hint itself: only a shorter one is its own find.
+    if start is None or duration_of(graph, found) < duration_of(graph, start.computes):
+      best = FoundComputes(found, f"milp search ({solver.backend_name})")
+  duration = duration_of(graph, best.computes)
   bound = solver.Objective().BestBound() * milp.cost_scale if solved else None
-  clock.improved(duration, bound, f"checkmate ({solver.backend_name})")
+  clock.improved(duration, bound, f"checkmate: {best.found_by}")
   stats = {
     "status": "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
     "lower_bound": bound,
     "bound_scope": BOUND_SCOPE,
     "backend": solver.backend_name,
     "warm_start": start is not None,
+    "found_by": best.found_by,
     "time_to_best_s": clock.time_to_best_s,
     "history": clock.history,
   }
   schedule = schedule_from_computes(
-    graph, computes, solver="checkmate", budget=budget_bytes, stats=stats
+    graph, best.computes, solver="checkmate", budget=budget_bytes, stats=stats
   )
   return checked_schedule(graph, schedule, budget_bytes, "checkmate")
 
@@ -372,7 +399,8 @@ def solve_checkmate_lp(
   ``budget_bytes``, S is rounded at ``threshold`` and R is the least that restores a
   valid schedule; the shortest rounded schedule within the real budget wins. The LP
   objective at epsilon = 0 is ``stats["lower_bound"]`` (for the Checkmate model);
-  ``stats["rounding"]`` lists every epsilon tried with its rounded peak and duration.
+  ``stats["rounding"]`` lists every epsilon tried with its rounded peak and duration;
+  ``stats["found_by"]`` is "lp rounding: epsilon=<the allowance that won>".
 
   Args:
     graph: the graph.
@@ -389,21 +417,26 @@ def solve_checkmate_lp(
     A schedule that `simulate` accepts with peak <= ``budget_bytes``.
 
   Raises:
-    InfeasibleBudgetError: the LP relaxation itself is infeasible at epsilon = 0.
+    InfeasibleBudgetError: ``budget_bytes`` is below ``graph.min_feasible_bytes``, a
+      bound on every schedule (`RematGraph.require_feasible`).
     NoScheduleFoundError: every rounded schedule exceeded the budget (the message gives
-      the least violation) or the time limit passed.
+      the least violation), the time limit passed, or the LP relaxation is infeasible at
+      epsilon = 0; the latter proves nothing about schedules outside the Checkmate
+      model, and the error's ``restricted_bound_bytes`` is ``budget_bytes + 1``.
 
   References:
     Jain et al., "Checkmate: Breaking the Memory Wall with Optimal Tensor
     Rematerialization", MLSys 2020, section 5 (two-phase rounding, budget allowance).
   """
+  graph.require_feasible(budget_bytes)
   clock = Clock(progress)
   if not graph.order:
-    return Schedule((), graph.name, budget_bytes, "checkmate-lp", {"status": "optimal"})
+    stats = {"status": "optimal", "found_by": FOUND_BY_EMPTY}
+    return Schedule((), graph.name, budget_bytes, "checkmate-lp", stats)
   for eps in epsilons:
     if not 0 <= eps < 1:
       raise ValueError(f"epsilons contains {eps!r}; each allowance must be in [0, 1).")
-  best: tuple[float, list[int]] | None = None
+  best: tuple[float, list[int], str] | None = None
   tried: list[dict[str, Any]] = []
   lower_bound = None
   for eps in sorted(epsilons):
@@ -427,10 +460,14 @@ def solve_checkmate_lp(
     status = solver.Solve()
     if status != pywraplp.Solver.OPTIMAL:
       if eps == 0 and status == pywraplp.Solver.INFEASIBLE:
-        raise InfeasibleBudgetError(
-          budget_bytes,
-          max(graph.min_feasible_bytes, budget_bytes + 1),  # proved: nothing within the budget
-          "the LP relaxation of the Checkmate model is infeasible for the input order",
+        raise restricted_model_error(
+          MSG_MODEL_INFEASIBLE.format(
+            solver="checkmate-lp",
+            graph=graph.name,
+            budget=budget_bytes,
+            what=f"the {solver.backend_name} backend, finding its LP relaxation infeasible,",
+          ),
+          budget_bytes + 1,
         )
       tried.append({"epsilon": eps, "lp_status": int(status)})
       continue
@@ -452,8 +489,8 @@ def solve_checkmate_lp(
     )
     if result.peak_bytes <= budget_bytes:
       if best is None or result.duration < best[0]:
-        best = (result.duration, computes)
-        clock.improved(result.duration, lower_bound, f"checkmate-lp epsilon={eps:g}")
+        best = (result.duration, computes, f"lp rounding: epsilon={eps:g}")
+        clock.improved(result.duration, lower_bound, f"checkmate-lp: {best[2]}")
       break  # the smallest allowance that fits: larger ones constrain the LP further
   if best is None:
     over = [t for t in tried if "peak_bytes" in t]
@@ -473,6 +510,7 @@ def solve_checkmate_lp(
     "lower_bound": lower_bound,
     "bound_scope": BOUND_SCOPE,
     "rounding": tried,
+    "found_by": best[2],
     "time_to_best_s": clock.time_to_best_s,
     "history": clock.history,
   }

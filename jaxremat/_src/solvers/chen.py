@@ -172,6 +172,7 @@ def _solve(
   order,
   time_limit_s: float,
 ):
+  graph.require_feasible(budget_bytes)
   deadline = time.perf_counter() + time_limit_s
   order = resolve_order(graph, order)
   candidates = checkpoint_candidates(graph, order, variant)

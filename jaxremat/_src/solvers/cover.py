@@ -328,6 +328,7 @@ def _solve(
   staged: bool,
   solver: str,
 ) -> Schedule:
+  graph.require_feasible(budget_bytes)
   deadline = time.perf_counter() + time_limit_s
   candidates = []
   for start in orders:

@@ -8,6 +8,7 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from jaxremat._src.errors import NoScheduleFoundError, SolverError
 from jaxremat._src.graph import RematGraph
@@ -22,6 +23,8 @@ from jaxremat._src.solvers.greedy import solve_xla_greedy
 _COST_RESOLUTION = 10**6
 # The heuristic warm start of an exact solver may use this share of its time limit.
 WARM_START_SHARE = 0.2
+# ``stats["found_by"]`` of the empty schedule of a graph without non-input nodes.
+FOUND_BY_EMPTY = "empty graph: nothing to compute"
 
 
 def integer_costs(graph: RematGraph) -> tuple[list[int], float]:
@@ -80,6 +83,17 @@ class Clock:
     if self.progress is not None:
       best = self.history[-1][1] if self.history else None
       self.progress(Progress(self.elapsed_s(), best, lower_bound, message))
+
+
+def restricted_model_error(message: str, restricted_bound_bytes: int) -> NoScheduleFoundError:
+  """A `NoScheduleFoundError` that carries the least peak proven for a restricted model.
+
+  An exact solver that proves its own model infeasible (C_v copies, a staged or input
+  order) proves nothing about the other schedules of the graph, so this is no
+  `InfeasibleBudgetError`: ``restricted_bound_bytes`` bounds the peak of the schedules of
+  that model only.
+  """
+  return NoScheduleFoundError(message, restricted_bound_bytes)
 
 
 def checked_schedule(
@@ -213,6 +227,13 @@ def greedy_computes(
   return computes
 
 
+class FoundComputes(NamedTuple):
+  """A compute sequence within budget, and which part found it (``stats["found_by"]``)."""
+
+  computes: list[int]
+  found_by: str
+
+
 def best_greedy_computes(
   graph: RematGraph, budget_bytes: int, time_limit_s: float = math.inf
 ) -> list[int] | None:
@@ -234,7 +255,7 @@ def best_greedy_computes(
 
 def warm_start_computes(
   graph: RematGraph, budget_bytes: int, staged: bool, time_limit_s: float
-) -> list[int] | None:
+) -> FoundComputes | None:
   """The shortest sequence within budget of the fast heuristics, refined, or None.
 
   Candidates, in this order until ``time_limit_s``: `cover` (``cover-staged`` when
@@ -242,25 +263,31 @@ def warm_start_computes(
   ``staged=False`` also on `reorder`'s order) and `best_greedy_computes`. The shortest
   is refined by `improve_computes` with tabu repairs for the time left. With
   ``staged=True`` every sequence keeps the first computes in the input order, so it fits
-  the staged model.
+  the staged model. ``found_by`` names the winning candidate ("warm start: cover-staged"),
+  or "warm start: tabu refinement of ..." when the refinement shortened it.
   """
   deadline = time.perf_counter() + time_limit_s
-  found = []
+  found: list[FoundComputes] = []
   # cover plans on the whole timeline and reaches MOCCASIN's optimum on moccasin_rl100 at
   # 0.8, where the eviction heuristics thrash (+54%). Each takes half of the time left.
   cover = solve_cover_staged if staged else solve_cover
   eviction = functools.partial(solve_xla_greedy, order="input" if staged else None)
-  for solver in (cover, eviction):
+  for name, solver in (("cover-staged" if staged else "cover", cover), ("xla-greedy", eviction)):
     try:
       left_s = max(deadline - time.perf_counter(), 0.0)
-      found.append(list(solver(graph, budget_bytes, time_limit_s=left_s / 2).computes))
+      computes = list(solver(graph, budget_bytes, time_limit_s=left_s / 2).computes)
     except NoScheduleFoundError:
-      pass
+      continue
+    found.append(FoundComputes(computes, f"warm start: {name}"))
   own = best_greedy_computes(graph, budget_bytes, max(deadline - time.perf_counter(), 0.0))
   if own is not None:
-    found.append(own)
+    found.append(FoundComputes(own, "warm start: evict-and-recompute"))
   if not found:
     return None
-  best = min(found, key=lambda computes: duration_of(graph, computes))
+  best = min(found, key=lambda start: duration_of(graph, start.computes))
   # The rest of the time refines it with tabu repairs (segnet at 0.8: 0.225% -> 0.210%).
-  return improve_computes(graph, best, budget_bytes, deadline, staged=staged, tabu=True)
+  refined = improve_computes(graph, best.computes, budget_bytes, deadline, staged=staged, tabu=True)
+  if duration_of(graph, refined) < duration_of(graph, best.computes):
+    name = best.found_by.removeprefix("warm start: ")
+    return FoundComputes(refined, f"warm start: tabu refinement of {name}")
+  return FoundComputes(refined, best.found_by)

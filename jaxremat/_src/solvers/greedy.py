@@ -93,6 +93,7 @@ def solve_xla_greedy(
   Raises:
     NoScheduleFoundError: eviction could not bring the peak within the budget.
   """
+  graph.require_feasible(budget_bytes)
   if order is None:
     orders = list(dict.fromkeys([tuple(graph.order), resolve_order(graph, "reorder")]))
   else:

@@ -134,6 +134,7 @@ def revolve_computes(
 
 
 def _solve(graph: RematGraph, budget_bytes: int, solver: str, variant: str, order) -> Schedule:
+  graph.require_feasible(budget_bytes)
   order = resolve_order(graph, order)
   steps = len(checkpoint_candidates(graph, order, variant))
   most = max(1, math.ceil(math.log2(max(steps, 2))) * 2)

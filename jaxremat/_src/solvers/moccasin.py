@@ -22,18 +22,21 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from jaxremat._src.errors import InfeasibleBudgetError, NoScheduleFoundError
+from jaxremat._src.errors import NoScheduleFoundError
 from jaxremat._src.graph import RematGraph
 from jaxremat._src.schedule import Schedule, schedule_from_computes
 from jaxremat._src.simulate import simulate
 from jaxremat._src.solvers.base import ProgressCallback
 from jaxremat._src.solvers.exact_common import (
+  FOUND_BY_EMPTY,
   WARM_START_SHARE,
   Clock,
+  FoundComputes,
   checked_schedule,
   duration_of,
   integer_costs,
   memory_unit,
+  restricted_model_error,
   warm_start_computes,
 )
 
@@ -46,6 +49,9 @@ DEFAULT_PARAMETERS = {"cp_model_probing_level": 0, "expand_reservoir_constraints
 # Phase 2 starts straight from the greedy warm start when its duration increase is at most
 # this fraction; a worse one only backs up phase 1.
 GREEDY_START_TDI = 0.10
+# ``stats["found_by"]`` of a schedule that CP-SAT's own search found, by phase.
+FOUND_BY_PHASE1 = "cp-sat search: phase 1"
+FOUND_BY_PHASE2 = "cp-sat search: phase 2"
 
 
 # -- copy counts and time windows --------------------------------------------------------
@@ -284,7 +290,6 @@ class _Model:
     """Hints every variable from a compute sequence (slot = position in the sequence)."""
     m, graph, horizon = self.model, self.graph, self.horizon
     m.clear_hints()
-    self.hint_computes = list(computes)
     peak_bytes = simulate(graph, schedule_from_computes(graph, computes)).peak_bytes
     used = (peak_bytes - graph.resident_bytes) // self.mem_unit
     m.add_hint(self.peak, min(self.peak_hi, max(self.peak_lo, used)))
@@ -367,8 +372,13 @@ def solve_moccasin(
   (`bounded_by_duration`: fewer copies, n + R slots instead of sum(C_v)). ``stats`` holds
   ``status`` ("optimal" means optimal for this model: these copies and this order),
   ``lower_bound`` (CP-SAT's bound on the duration for this model, see ``bound_scope``),
-  ``time_to_best_s``, ``history``, ``phase1_s``, the number of copies and ``horizon``
-  (the number of time slots).
+  ``time_to_best_s``, ``history``, ``phase1_s``, the number of copies, ``horizon``
+  (the number of time slots) and ``found_by``: "hint" (the given hint, not improved on),
+  "warm start: ..." (the heuristic warm start, see `warm_start_computes`), or
+  `FOUND_BY_PHASE1` / `FOUND_BY_PHASE2` (CP-SAT's search). The answer is the shortest
+  schedule within budget found (hint or warm start, phase 1's, phase 2's), the first
+  found among equals: CP-SAT reports its hint as a solution, which does not make it
+  CP-SAT's find.
 
   Args:
     graph: the graph.
@@ -395,8 +405,12 @@ def solve_moccasin(
     A schedule that `simulate` accepts with peak <= ``budget_bytes``.
 
   Raises:
-    InfeasibleBudgetError: CP-SAT proved no schedule of this model fits the budget.
-    NoScheduleFoundError: the time limit passed before a schedule within budget was found.
+    InfeasibleBudgetError: ``budget_bytes`` is below ``graph.min_feasible_bytes``, a
+      bound on every schedule (`RematGraph.require_feasible`).
+    NoScheduleFoundError: the time limit passed before a schedule within budget was
+      found, or CP-SAT proved that no schedule of this model (C_v copies, this order)
+      fits; the latter proves nothing about other schedules, and the error's
+      ``restricted_bound_bytes`` holds the least peak CP-SAT proved for the model.
     ValueError: ``order`` or ``copies`` is not one of the accepted values.
 
   References:
@@ -407,35 +421,37 @@ def solve_moccasin(
     raise ValueError(f"order={order!r} is not supported; use 'staged' or 'free'.")
   if precedence not in ("reservoir", "cover"):
     raise ValueError(f"precedence={precedence!r} is not supported; use 'reservoir' or 'cover'.")
+  graph.require_feasible(budget_bytes)
   clock = Clock(progress)
   staged = order == "staged"
   if not graph.order:
-    return Schedule((), graph.name, budget_bytes, "moccasin", {"status": "optimal"})
+    stats = {"status": "optimal", "found_by": FOUND_BY_EMPTY}
+    return Schedule((), graph.name, budget_bytes, "moccasin", stats)
   counts = copy_counts(graph, copies, staged)
   if hint is not None:
-    start = hint.computes
-    result = simulate(graph, schedule_from_computes(graph, start))
+    start = FoundComputes(list(hint.computes), "hint")
+    result = simulate(graph, schedule_from_computes(graph, start.computes))
     if not result.valid:
       raise ValueError(f"hint is not a valid schedule of graph {graph.name!r}: {result.error}")
     start_fits = result.peak_bytes <= budget_bytes
   else:
-    start, start_fits = list(graph.order), False
+    start, start_fits = FoundComputes(list(graph.order), "input order"), False
   # The best heuristic sequence within budget: phase 2 starts from it when it is short,
   # else it is the fallback if phase 1 runs out of time.
   greedy = None
   if warm_start and not start_fits:
     greedy = warm_start_computes(graph, budget_bytes, staged, WARM_START_SHARE * time_limit_s)
-  for computes in (start, greedy or ()):
+  for computes in (start.computes, greedy.computes if greedy else ()):
     for v, k in collections.Counter(computes).items():
       counts[v] = max(counts[v], k)
   baseline_duration = duration_of(graph, graph.order)
   if greedy is not None and (
-    duration_of(graph, greedy) <= (1 + GREEDY_START_TDI) * baseline_duration
+    duration_of(graph, greedy.computes) <= (1 + GREEDY_START_TDI) * baseline_duration
   ):
     start, start_fits = greedy, True
   horizon = sum(counts.values())
   if start_fits:
-    counts, horizon = bounded_by_duration(graph, counts, start)
+    counts, horizon = bounded_by_duration(graph, counts, start.computes)
   capacity = (budget_bytes - graph.resident_bytes) // memory_unit(graph)
   model = _Model(graph, counts, staged, capacity, precedence, horizon)
   stats: dict[str, Any] = {
@@ -444,13 +460,19 @@ def solve_moccasin(
     "horizon": model.horizon,
     "bound_scope": f"moccasin model: {order} order, at most C_v computes of each node",
   }
-  model.set_hint(start)
-  if start_fits:
-    clock.improved(duration_of(graph, start), message="moccasin: start within budget")
-  else:
+  # Every schedule within budget found so far, in the order found: the answer is the
+  # shortest, the first found among equals.
+  found = [start] if start_fits else [greedy] if greedy is not None else []
+  for within in found:
+    clock.improved(duration_of(graph, within.computes), message=f"moccasin: {within.found_by}")
+  if not start_fits:
+    model.set_hint(start.computes)
     phase1_s = time_limit_s / 2 if greedy is not None else time_limit_s
     solver = _solver(phase1_s, workers, log_search, parameters or {})
-    _phase1(model, graph, budget_bytes, capacity, solver, phase1_s, clock, greedy)
+    start = _phase1(model, graph, budget_bytes, capacity, solver, phase1_s, clock, greedy)
+    found.append(start)
+  # From here on ``start`` is within budget, and it is CP-SAT's hint.
+  model.set_hint(start.computes)
   model.model.add(model.peak == capacity)
   stats["phase1_s"] = clock.elapsed_s()
 
@@ -462,21 +484,21 @@ def solve_moccasin(
     computes = model.computes(cb.value)
     best["computes"] = computes
     bound = cb.best_objective_bound * model.cost_scale
-    clock.improved(duration_of(graph, computes), bound, "moccasin phase 2")
+    clock.improved(duration_of(graph, computes), bound, f"moccasin: {FOUND_BY_PHASE2}")
 
   remaining_s = time_limit_s - clock.elapsed_s()
   solver = _solver(remaining_s, workers, log_search, parameters or {})
   status = solver.solve(model.model, _OnSolution(on_solution))
+  stats["status"] = "feasible"
   if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) and best["computes"] is not None:
-    computes = best["computes"]
     stats["status"] = "optimal" if status == cp_model.OPTIMAL else "feasible"
     stats["lower_bound"] = solver.best_objective_bound * model.cost_scale
-  else:
-    computes = model.hint_computes
-    stats["status"] = "feasible"
-  stats.update(time_to_best_s=clock.time_to_best_s, history=clock.history)
+    # CP-SAT reports its hint as a first solution: found last, it wins only if shorter.
+    found.append(FoundComputes(best["computes"], FOUND_BY_PHASE2))
+  answer = min(found, key=lambda within: duration_of(graph, within.computes))
+  stats.update(found_by=answer.found_by, time_to_best_s=clock.time_to_best_s, history=clock.history)
   schedule = schedule_from_computes(
-    graph, computes, solver="moccasin", budget=budget_bytes, stats=stats
+    graph, answer.computes, solver="moccasin", budget=budget_bytes, stats=stats
   )
   return checked_schedule(graph, schedule, budget_bytes, "moccasin")
 
@@ -489,12 +511,16 @@ def _phase1(
   solver: cp_model.CpSolver,
   time_limit_s: float,
   clock: Clock,
-  fallback: list[int] | None,
-) -> None:
-  """Minimizes max(peak, budget); leaves the first schedule within budget as the hint.
+  fallback: FoundComputes | None,
+) -> FoundComputes:
+  """Minimizes max(peak, budget); returns the first schedule within budget.
 
-  Runs for ``time_limit_s`` at most; without a schedule within budget by then it hints
-  ``fallback`` (a sequence within budget) or raises.
+  Runs for ``time_limit_s`` at most; without a schedule within budget by then it returns
+  ``fallback`` (a sequence within budget, already on the clock) or raises.
+
+  Raises:
+    NoScheduleFoundError: no schedule within budget and no fallback; when CP-SAT proved
+      the model infeasible, with ``restricted_bound_bytes`` (see `restricted_model_error`).
   """
   model.model.minimize(model.peak)
   found: dict[str, Any] = {}
@@ -503,27 +529,29 @@ def _phase1(
     if cb.value(model.peak) <= capacity:
       computes = model.computes(cb.value)
       found["computes"] = computes
-      clock.improved(duration_of(graph, computes), message="moccasin phase 1")
+      clock.improved(duration_of(graph, computes), message=f"moccasin: {FOUND_BY_PHASE1}")
       cb.stop_search()
 
   solver.parameters.max_time_in_seconds = max(time_limit_s - clock.elapsed_s(), 0.01)
   status = solver.solve(model.model, _OnSolution(on_solution))
   if "computes" in found:
-    model.set_hint(found["computes"])
-    return
+    return FoundComputes(found["computes"], FOUND_BY_PHASE1)
+  if fallback is not None:
+    return fallback
   unit = model.mem_unit
   if status == cp_model.OPTIMAL or solver.best_objective_bound > capacity:
     least = graph.resident_bytes + math.ceil(solver.best_objective_bound) * unit
-    raise InfeasibleBudgetError(
-      budget_bytes,
+    copies = sum(model.counts.values())
+    order = "staged" if model.staged else "free"
+    free = "" if order == "free" else "use order='free', "
+    raise restricted_model_error(
+      f"solver 'moccasin' found no schedule of graph {graph.name!r} within budget="
+      f"{budget_bytes} bytes: CP-SAT proved that every schedule of its model ({order} "
+      f"order, each node computed at most C_v times, {copies} copies in all) peaks at "
+      f"{least} bytes or more. That bounds this model only, not every schedule; raise the "
+      f"copies (copies=), {free}pass a hint, or try solver='auto' or 'cover'.",
       least,
-      f"CP-SAT proved it the least peak of any schedule computing each node at most "
-      f"C_v times ({sum(model.counts.values())} copies) in the {'staged' if model.staged else 'free'} order",
     )
-  if fallback is not None:
-    model.set_hint(fallback)
-    clock.improved(duration_of(graph, fallback), message="moccasin: greedy fallback")
-    return
   reached = (
     f"phase 1 reached a peak of {graph.resident_bytes + int(solver.objective_value) * unit} bytes"
     if status == cp_model.FEASIBLE

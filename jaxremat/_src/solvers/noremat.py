@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxremat._src.errors import InfeasibleBudgetError
+from jaxremat._src.errors import NoScheduleFoundError
 from jaxremat._src.graph import RematGraph
 from jaxremat._src.schedule import Schedule
 from jaxremat._src.simulate import baseline_schedule, simulate
@@ -12,13 +12,24 @@ def solve_noremat(graph: RematGraph, budget_bytes: int, **_) -> Schedule:
   """The baseline schedule, if it fits.
 
   Raises:
-    InfeasibleBudgetError: the baseline peak is over budget; without recomputation or
-      reordering that peak is the least this solver can do.
+    InfeasibleBudgetError: ``budget_bytes`` is below ``graph.min_feasible_bytes``, a
+      bound on every schedule (`RematGraph.require_feasible`).
+    NoScheduleFoundError: the baseline peak is over budget. That is the least peak of
+      this one schedule only: recomputation or another order may fit.
   """
+  graph.require_feasible(budget_bytes)
   schedule = baseline_schedule(graph)
   peak = simulate(graph, schedule).peak_bytes
   if peak > budget_bytes:
-    raise InfeasibleBudgetError(budget_bytes, peak, "the no-remat peak of the input order")
-  return schedule.replace(
-    stats={"status": "optimal", "lower_bound": sum(graph.cost[v] for v in graph.order)}
-  )
+    raise NoScheduleFoundError(
+      f"solver 'noremat' found no schedule of graph {graph.name!r} within budget="
+      f"{budget_bytes} bytes: the input order without recomputation peaks at {peak} bytes. "
+      "That is one schedule, not a bound on all of them; a recomputing or reordering "
+      "solver ('auto', 'reorder') may fit, or raise the budget to at least that peak."
+    )
+  stats = {
+    "status": "optimal",
+    "lower_bound": sum(graph.cost[v] for v in graph.order),
+    "found_by": "noremat",
+  }
+  return schedule.replace(stats=stats)

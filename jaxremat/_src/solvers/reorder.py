@@ -169,6 +169,7 @@ def solve_reorder(graph: RematGraph, budget_bytes: int, **_) -> Schedule:
     NoScheduleFoundError: the best order found still peaks over the budget (a better
       order may exist: the search is heuristic).
   """
+  graph.require_feasible(budget_bytes)
   order = memory_minimizing_order(graph)
   schedule = schedule_from_computes(graph, order, solver="reorder", budget=budget_bytes)
   peak_bytes = simulate(graph, schedule).peak_bytes
@@ -179,4 +180,6 @@ def solve_reorder(graph: RematGraph, budget_bytes: int, **_) -> Schedule:
       "solver such as 'auto'."
     )
   duration = sum(graph.cost[v] for v in order)
-  return schedule.replace(stats={"status": "optimal", "lower_bound": duration})
+  return schedule.replace(
+    stats={"status": "optimal", "lower_bound": duration, "found_by": "reorder"}
+  )

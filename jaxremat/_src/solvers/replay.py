@@ -259,7 +259,8 @@ def pick_best(
   graph: RematGraph | None = None,
   deadline: float | None = None,
 ) -> Schedule:
-  """The shortest valid candidate within budget, with ``status="feasible"`` stats.
+  """The shortest valid candidate within budget; its stats: ``status="feasible"`` and
+  ``found_by=solver``.
 
   With ``graph`` and ``deadline``, the winner's recomputations are then pruned
   (`prune_recomputes`) until the deadline.
@@ -284,7 +285,8 @@ def pick_best(
   if deadline is not None and graph is not None:
     computes = prune_recomputes(graph, schedule.computes, budget_bytes, deadline)
     schedule = schedule_from_computes(graph, computes)
-  return schedule.replace(budget=budget_bytes, solver=solver, stats={"status": "feasible"})
+  stats = {"status": "feasible", "found_by": solver}
+  return schedule.replace(budget=budget_bytes, solver=solver, stats=stats)
 
 
 def prune_recomputes(

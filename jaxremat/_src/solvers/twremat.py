@@ -296,6 +296,7 @@ def solve_twremat(
   Raises:
     NoScheduleFoundError: no k meets the budget.
   """
+  graph.require_feasible(budget_bytes)
   order = resolve_order(graph, order)
   if k is not None:
     try:
