@@ -31,6 +31,7 @@ import jaxremat
 from jaxremat._src.emit import apply_fence, default_fence
 from jaxremat._src.segments import segment_schedule
 from jaxremat._src.trace import xla_accounted_peak_bytes
+from jaxremat._src.verify import noise_envelope
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 MIB = 2**20
@@ -83,7 +84,10 @@ def reason(row, other_pin_error=None):
   """
   problems = []
   if not row["outputs_match"]:
-    problems.append(f"outputs differ (max abs error {row['max_abs_error']:.2g})")
+    problems.append(
+      f"outputs differ (noise ratio {row['noise_ratio']:.2g}, max abs error "
+      f"{row['max_abs_error']:.2g})"
+    )
   lost = row["planned_expensive"] - row["kept_expensive"]
   if lost:
     problems.append(
@@ -150,6 +154,8 @@ def run_model(
   graph = program.graph
   print(f"# {name}: {graph!r}, traced in {trace_s:.1f} s", flush=True)
   original = jaxremat.measure(fn, *args, runs=runs)
+  # The original's outputs and float noise, made once for every schedule's comparison.
+  envelope = noise_envelope(fn, *args)
   fence = default_fence()
   # XLA's no-remat peak over the graph's, per emission (pin): how far the graph misjudges
   # this model before any remat (a tracing error, the same for every schedule); the
@@ -189,7 +195,9 @@ def run_model(
         continue
       try:
         emitted = jaxremat.emit(program, schedule, fence=f, pin=pin)
-        v = jaxremat.verify(fn, emitted, schedule, *args, runs=runs, original=original)
+        v = jaxremat.verify(
+          fn, emitted, schedule, *args, runs=runs, original=original, envelope=envelope
+        )
       except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         row["status"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -208,6 +216,7 @@ def run_model(
           "kept_expensive": v.n_surviving_recomputes,
           "outputs_match": v.outputs_match,
           "max_abs_error": v.max_abs_error,
+          "noise_ratio": v.noise_ratio,
           "predicted_mib": round(v.predicted_peak_bytes / MIB, 2),
           "predicted_xla_mib": round(v.predicted_xla_peak_bytes / MIB, 2),
           "xla_peak_mib": round(v.measured_peak_bytes / MIB, 2),

@@ -11,6 +11,7 @@ from jaxremat._src.errors import InfeasibleBudgetError as InfeasibleBudgetError
 from jaxremat._src.errors import JaxrematError as JaxrematError
 from jaxremat._src.errors import NoScheduleFoundError as NoScheduleFoundError
 from jaxremat._src.errors import SolverError as SolverError
+from jaxremat._src.errors import TargetUnavailableError as TargetUnavailableError
 from jaxremat._src.errors import UnsupportedError as UnsupportedError
 from jaxremat._src.errors import VerificationError as VerificationError
 from jaxremat._src.graph import Node as Node
@@ -28,11 +29,16 @@ from jaxremat._src.simulate import simulate as simulate
 from jaxremat._src.solve import solve as solve
 from jaxremat._src.solvers.base import Progress as Progress
 from jaxremat._src.solvers.base import available_solvers as available_solvers
+from jaxremat._src.targets import Target as Target
+from jaxremat._src.targets import available_targets as available_targets
+from jaxremat._src.targets import get_target as get_target
 from jaxremat._src.trace import Program as Program
 from jaxremat._src.trace import save_graph as save_graph
 from jaxremat._src.trace import trace as trace
 from jaxremat._src.trace import trace_program as trace_program
+from jaxremat._src.verify import OutputComparison as OutputComparison
 from jaxremat._src.verify import Verification as Verification
+from jaxremat._src.verify import compare_outputs as compare_outputs
 from jaxremat._src.verify import verify as verify
 
 __version__ = "0.1.0"
@@ -46,6 +52,7 @@ __all__ = [
   "Measurement",
   "Node",
   "OptimizedFunction",
+  "OutputComparison",
   "Plan",
   "NoScheduleFoundError",
   "Program",
@@ -55,12 +62,17 @@ __all__ = [
   "Schedule",
   "SimulationResult",
   "SolverError",
+  "Target",
+  "TargetUnavailableError",
   "UnsupportedError",
   "Verification",
   "VerificationError",
   "available_solvers",
+  "available_targets",
   "baseline_schedule",
+  "compare_outputs",
   "emit",
+  "get_target",
   "measure",
   "minimize_peak",
   "optimize",

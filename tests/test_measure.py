@@ -66,3 +66,22 @@ def test_keyword_arguments_and_negative_runs(operands):
   assert m.flops == pytest.approx(2 * N**3, rel=0.05)
   with pytest.raises(ValueError, match="runs=-1"):
     jaxremat.measure(matmul_sin, a, b, runs=-1)
+
+
+def test_runs_zero_compiles_without_running(operands):
+  """`optimize` measures the original with runs=0 where it may not fit the device: nothing
+  may run (a warm-up call used to), so abstract arguments are enough."""
+  calls = []
+
+  def counted(a, b):
+    jax.debug.callback(lambda: calls.append(1))
+    return matmul_sin(a, b)
+
+  specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands]
+  m = jaxremat.measure(counted, *specs, runs=0)
+  assert (
+    m.wall_time_s is None
+    and m.peak_bytes == jaxremat.measure(matmul_sin, *operands, runs=0).peak_bytes
+  )
+  jaxremat.measure(counted, *operands, runs=0)
+  assert calls == []

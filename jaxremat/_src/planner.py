@@ -27,6 +27,7 @@ from jaxremat._src.errors import (
   BudgetNotMetError,
   InfeasibleBudgetError,
   NoScheduleFoundError,
+  UnsupportedError,
   VerificationError,
 )
 from jaxremat._src.measure import Measurement, measure
@@ -37,13 +38,23 @@ from jaxremat._src.signature import CallSignature, FlatStep, OutputSplit, static
 from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import Progress
 from jaxremat._src.trace import Program, trace_program
-from jaxremat._src.verify import Verification
+from jaxremat._src.verify import (
+  Verification,
+  choose_verification_device,
+  device_bytes_limit,
+  verify,
+)
 
 logger = logging.getLogger("jaxremat")
 # How much tighter (a fraction of the budget) each replan aims beyond XLA's measured excess.
 _REPLAN_MARGIN = 0.02
 # Planners whose plans recompute whole segments, which XLA's scheduler keeps as planned.
 _SEGMENT_SOLVERS = ("chen-sqrtn-ap", "chen-greedy-ap", "griewank-ap", "twremat")
+MSG_NO_ARRAYS = (
+  "{name} was called without array inputs (jax.Array, numpy arrays, Python scalars or "
+  "jax.ShapeDtypeStruct), so there is no step memory to plan: pass the parameters and the "
+  "batch as arrays, not as static arguments."
+)
 # Shares of time_limit: costing equations (the rest get shape estimates); and the time
 # kept back for compiling a plan and for verifying one, in compiles of the original.
 _COSTS_SHARE = 0.25
@@ -165,6 +176,8 @@ def make_plan(
       planned recomputation.
   """
   deadline = _Deadline(opts.time_limit)
+  if not any(signature.dynamic_mask):
+    raise UnsupportedError(MSG_NO_ARRAYS.format(name=getattr(fn, "__name__", "the step")))
   program = trace_program(
     fn, *args, signature=signature, cost_time_limit=_COSTS_SHARE * opts.time_limit, **kwargs
   )
@@ -397,8 +410,6 @@ def _verify(
   ``verify=True`` (or ``"auto"``) runs on the device unless the original step would not
   fit there, then on the host CPU (`choose_verification_device`).
   """
-  from jaxremat._src.verify import choose_verification_device, device_bytes_limit, verify
-
   device = opts.verify if isinstance(opts.verify, str) else "auto"
   if device == "auto":
     device = choose_verification_device(baseline.peak_bytes, device_bytes_limit())

@@ -1,20 +1,25 @@
 """`verify`: proof that an emitted function computes the same values and keeps its plan.
 
-Three checks, each against XLA rather than the model: the outputs equal the original's;
-the recomputed expensive equations of the plan are still in the optimized HLO (XLA did
-not merge them away, ARCHITECTURE.md fact 1); XLA's peak is the simulator's prediction.
+Three checks, each against XLA rather than the model: the outputs equal the original's up to
+the original's own float noise (`compare_outputs`); the recomputed expensive equations of
+the plan are still in the optimized HLO (XLA did not merge them away, ARCHITECTURE.md fact
+1); XLA's peak is the simulator's prediction.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import math
 import re
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxremat._src import compat
 from jaxremat._src.backends import backend_facts
@@ -37,18 +42,646 @@ EXPENSIVE_PRIMITIVES: Mapping[str, str] = {
 _OPCODE_GROUPS = (("dot", "convolution"), ("fft",), ("sort",))
 _HLO_OPCODE = re.compile(r"=\s.*?\s([a-z][a-z0-9-]*)\(")
 
+# -- output comparison: constants ---------------------------------------------------------
+
+# How far the optimized outputs may be from the original's, in units of the original's
+# noise envelope (`compare_outputs`). Correct reorderings reached 0.35 of it on BatchNorm +
+# Adam steps (tests/test_verify.py); dropped terms and stale values reach 1e3 and more.
+NOISE_FACTOR: Final = 8.0
+# The perturbation of the inputs, in ulps of the lowest-precision floating dtype: far above
+# the last-bit noise of reassociated sums, far below what a wrong plan changes.
+_PERTURBATION_ULPS: Final = 64
+# bfloat16 and float16 would get 1/2 and 1/16; a perturbation that large is no longer small.
+_MAX_PERTURBATION: Final = 2.0**-5
+# Each element is scaled up with this probability and down otherwise. The +-1 part flips
+# near-cancelling values to both sides; the mean of +1/2 moves long sums of like-signed
+# terms (losses, means, variances) by about delta/2, which random signs alone would cancel
+# to below their summation-order noise.
+_SCALE_UP_PROBABILITY: Final = 0.75
+# The envelope never goes below this many ulps of (|value| + the leaf's rms).
+_FLOOR_ULPS: Final = 4.0
+# A leaf whose envelope's norm is at least this fraction of its own is mostly float noise
+# (well-conditioned leaves: about delta times their condition number, 1e-5 to 1e-3).
+_NOISE_DOMINATED: Final = 0.01
+# `choose_verification_device`: the original runs on the device up to this fraction of its
+# memory.
+DEVICE_MEMORY_FRACTION: Final = 0.9
+
+VerificationDevice = Literal["device", "host"]
+MSG_BAD_DEVICE: Final = (
+  "device={device!r} is not a verification device; pass None or 'device' (JAX's default "
+  "device) or 'host' (the host CPU, for a step too large for the device){auto}."
+)
+_MSG_AUTO: Final = ", or 'auto' (the host only when the original's peak would not fit)"
+
+
+# -- output comparison --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafComparison:
+  """How one output leaf of the optimized function compares with the original's.
+
+  Attributes:
+    path: the leaf's pytree path (``jax.tree_util.keystr``), e.g. ``"[1].mu['w']"``.
+    shape: the original's shape.
+    dtype: the original's dtype name.
+    noise_ratio: how far the leaf is from the original's, over what its noise allows; at
+      most 1 passes (`compare_outputs` states the rule). Infinite when the non-finite
+      positions, the integer values, the shape or the dtype differ.
+    n_outside: elements outside their own tolerance, ``NOISE_FACTOR * envelope + floor``
+      (or ``atol + rtol * |expected|``). Only a diagnostic in the envelope test, which
+      judges the leaf as a whole: an element whose value is all float noise may be outside
+      its own envelope and still pass.
+    n_nonfinite_mismatch: elements that are NaN or Inf in one output and not the same
+      NaN or Inf in the other.
+    max_abs_error: the largest ``|got - expected|`` where both are finite; infinite when
+      ``n_nonfinite_mismatch`` is not 0 or the shapes differ.
+    rel_norm_error: ``||got - expected|| / ||expected||`` where both are finite; infinite
+      like ``max_abs_error``.
+    problem: why the leaf fails, in words; None when it passes.
+  """
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  noise_ratio: float
+  n_outside: int
+  n_nonfinite_mismatch: int
+  max_abs_error: float
+  rel_norm_error: float
+  problem: str | None = None
+
+  @property
+  def ok(self) -> bool:
+    """Whether the leaf passes."""
+    return self.problem is None and self.noise_ratio <= 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputComparison:
+  """What `compare_outputs` found.
+
+  Attributes:
+    outputs_match: same structure, shapes and dtypes, and every leaf passes.
+    noise_ratio: the largest leaf's noise ratio (at most 1 passes).
+    worst_leaf: the pytree path of that leaf (None when there are no leaves).
+    n_outside: elements outside their own tolerance, over all leaves (a diagnostic).
+    max_abs_error: the largest absolute difference where both are finite, over all leaves
+      (infinite when a non-finite position or a shape differs).
+    max_rel_norm_error: the largest norm-wise relative error over the leaves.
+    method: ``"envelope"`` (the noise test) or ``"allclose"`` (explicit ``rtol``/``atol``).
+    perturbation: the relative input perturbation ``delta`` of the envelope (None for
+      ``"allclose"``).
+    leaves: one `LeafComparison` per output leaf, in ``jax.tree.leaves`` order.
+    problem: what differs in the outputs' structure; None when it agrees.
+  """
+
+  outputs_match: bool
+  noise_ratio: float
+  worst_leaf: str | None
+  n_outside: int
+  max_abs_error: float
+  max_rel_norm_error: float
+  method: str
+  perturbation: float | None
+  leaves: tuple[LeafComparison, ...] = dataclasses.field(repr=False)
+  problem: str | None = None
+
+  def describe(self, max_leaves: int = 3) -> str:
+    """One line for an error message: the worst leaf and what fails.
+
+    Args:
+      max_leaves: at most this many failing leaves are named.
+    """
+    if self.problem:
+      return self.problem
+    failing = sorted((leaf for leaf in self.leaves if not leaf.ok), key=lambda x: -x.noise_ratio)
+    head = (
+      f"noise ratio {self.noise_ratio:.3g} at output {self.worst_leaf} ({self.method}; at "
+      f"most 1 passes), max abs error {self.max_abs_error:.3g}, norm-wise relative error "
+      f"{self.max_rel_norm_error:.3g}"
+    )
+    if not failing:
+      return f"all {len(self.leaves)} output leaves within their noise: {head}"
+    parts = [
+      f"{leaf.path}: {leaf.problem or f'noise ratio {leaf.noise_ratio:.3g}'}"
+      + (
+        f", {leaf.n_outside} of {math.prod(leaf.shape)} elements outside" if leaf.n_outside else ""
+      )
+      for leaf in failing[:max_leaves]
+    ]
+    more = f"; and {len(failing) - max_leaves} more leaves" if len(failing) > max_leaves else ""
+    return (
+      f"{len(failing)} of {len(self.leaves)} output leaves fail ({head}): "
+      + "; ".join(parts)
+      + more
+    )
+
+  def summary(self) -> dict[str, Any]:
+    """Every figure and every leaf, as a JSON-ready dict."""
+    out = dataclasses.asdict(self)
+    out["leaves"] = [dataclasses.asdict(leaf) | {"shape": list(leaf.shape)} for leaf in self.leaves]
+    return out
+
+
+def compare_outputs(
+  fn: Callable[..., Any],
+  got: Any,
+  *args: Any,
+  rtol: float | None = None,
+  atol: float | None = None,
+  device: str | None = None,
+  seed: int = 0,
+  **kwargs: Any,
+) -> OutputComparison:
+  """Checks ``got`` against ``fn(*args, **kwargs)`` up to ``fn``'s own float noise.
+
+  The rule, per output leaf:
+
+  * Structure, shapes and dtypes agree; integer, boolean and PRNG-key leaves are equal.
+  * Non-finite positions agree: NaN or Inf in ``got`` where the original is finite fails,
+    and so does the reverse; where both hold the same NaN or Inf the element is left out
+    of the numeric test.
+  * The numeric test is against a noise envelope taken from ``fn`` itself. ``fn`` runs on
+    two perturbed copies of its inputs, ``x * (1 + delta * s)`` and ``x * (1 - delta * s)``,
+    with ``s`` a fixed pseudo-random +-1 per element (+1 with probability 3/4, from
+    ``seed``) on floating-point input leaves only; ``delta = min(64 * eps, 2**-5)`` for the
+    lowest-precision floating dtype among the inputs and the outputs. An element's
+    envelope is ``max_k |f_k - expected|``. With ``d = |got - expected|`` and ``floor = 4 *
+    eps(leaf) * (|expected| + rms(expected))``, a leaf's noise ratio is
+    ``||d|| / (C ||envelope|| + ||floor||)``, ``C = NOISE_FACTOR`` (8), and also, unless the
+    leaf is mostly noise (``||envelope|| >= 0.01 ||expected||``), ``max d / (C max
+    envelope + max floor)``, whichever is larger; at most 1 passes. Elements where a
+    perturbed run overflows and the original does not are left out of both.
+
+  Why: delta is about 64 ulps, far above the noise that fusing or reordering sums adds,
+  so the envelope of a well-conditioned element covers that noise, while a dropped term, a
+  stale value or a wrong dependency moves it far beyond. The +-1 signs push
+  near-cancelling values (Adam on a gradient that is 0 up to rounding, a ReLU input at 0)
+  to both sides, which gives them an envelope as large as the values; the mean of +1/2
+  moves long sums of like-signed terms (losses, variances) by about ``delta / 2``, which
+  random signs would cancel. Values that are only rounding noise are quantized: two
+  perturbed runs often land on the original's value exactly, so one element's envelope can
+  be 0 by chance, and the largest of many noise values grows with their number. A leaf is
+  therefore judged by the norm of its envelope, which is stable, and by its largest
+  element only where its values are not noise (so that one wrong element cannot hide in a
+  large leaf's norm).
+
+  Limits: a leaf of a few elements that are all rounding noise (a scalar gradient that is 0
+  in exact arithmetic) is judged on two samples of that noise; a wrong plan that changes
+  only such values, or a few elements of a leaf that is mostly noise, is not caught.
+
+  Explicit ``rtol`` or ``atol`` replace the envelope with ``|d| <= atol + rtol *
+  |expected|`` elementwise (the non-finite rule still holds); a missing one is the
+  backend's for the dtype (`backends.BackendFacts.tolerance`). ``fn`` then runs once.
+
+  Args:
+    fn: the original function; it is jitted here (once: the perturbed runs reuse the
+      compilation, their scale is an argument).
+    got: the outputs to check, a pytree of arrays (e.g. the optimized function's).
+    *args: the arguments ``got`` was computed from.
+    rtol, atol: the escape hatch above; None for the noise envelope.
+    device: where ``fn`` runs: None or ``"device"`` for JAX's default device, ``"host"``
+      for the host CPU (``jax.devices("cpu")[0]``: the arguments are copied there), for a
+      function too large for the device without its plan.
+    seed: the seed of the signs ``s``.
+    **kwargs: keyword arguments ``got`` was computed from.
+
+  Returns:
+    An `OutputComparison`; ``outputs_match`` is the verdict and ``describe()`` says why.
+
+  Raises:
+    ValueError: ``device`` is not one of the choices above.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxremat
+    >>> from jaxremat._src.verify import compare_outputs
+    >>> f = lambda x: jnp.tanh(x @ x).sum(0)
+    >>> x = jax.random.normal(jax.random.key(0), (64, 64))
+    >>> compare_outputs(f, f(x), x).outputs_match
+    True
+    >>> compare_outputs(f, f(x).at[3].set(jnp.nan), x).outputs_match
+    False
+  """
+  perturb = rtol is None and atol is None
+  envelope = _noise_envelope(fn, args, kwargs, device=device, seed=seed, perturb=perturb)
+  return compare_with_envelope(envelope, got, rtol=rtol, atol=atol)
+
+
+def perturbation_size(dtypes: Sequence[Any]) -> float:
+  """``delta = min(64 * eps, 2**-5)`` for the lowest-precision floating dtype in ``dtypes``.
+
+  Args:
+    dtypes: the dtypes of a function's inputs and outputs; non-floating ones are ignored.
+
+  Returns:
+    delta, a power of two, so ``1 +- delta`` is exact in every dtype of ``dtypes`` (but
+    float8 ones, where 2**-5 is below an ulp of 1). 0 when none is floating.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> perturbation_size([jnp.float32, jnp.int32]) == 64 * 2.0**-23
+    True
+    >>> perturbation_size([jnp.float32, jnp.bfloat16])
+    0.03125
+  """
+  eps = [float(jnp.finfo(d).eps) for d in dtypes if _is_inexact(d)]
+  return min(_PERTURBATION_ULPS * max(eps), _MAX_PERTURBATION) if eps else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseEnvelope:
+  """A function's outputs and how far perturbing its inputs by ``delta`` moves them.
+
+  Attributes:
+    expected: the outputs, a pytree of numpy arrays (PRNG keys as their key data).
+    spreads: per output leaf (``jax.tree.leaves`` order), ``max_k |f_k - expected|`` over
+      the two perturbed runs; None for non-floating leaves and where nothing was perturbed.
+      Infinite where the original is finite and a perturbed run is not.
+    perturbation: delta; 0 when no input is floating point (or nothing was perturbed).
+  """
+
+  expected: Any = dataclasses.field(repr=False)
+  spreads: tuple[np.ndarray | None, ...] = dataclasses.field(repr=False)
+  perturbation: float
+
+
+def noise_envelope(
+  fn: Callable[..., Any], *args: Any, device: str | None = None, seed: int = 0, **kwargs: Any
+) -> NoiseEnvelope:
+  """Runs ``fn`` on its arguments and on two perturbed copies (`compare_outputs`' rule).
+
+  Made once, it checks any number of candidate outputs with `compare_with_envelope`.
+
+  Args:
+    fn: the original function; jitted once for all three runs.
+    *args: its arguments.
+    device: None or ``"device"``: JAX's default device; ``"host"``: the host CPU.
+    seed: the seed of the perturbation's signs.
+    **kwargs: its keyword arguments.
+
+  Returns:
+    A `NoiseEnvelope`.
+
+  Raises:
+    ValueError: ``device`` is not one of the choices above.
+  """
+  return _noise_envelope(fn, args, kwargs, device=device, seed=seed, perturb=True)
+
+
+def _noise_envelope(
+  fn: Callable[..., Any],
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  *,
+  device: str | None,
+  seed: int,
+  perturb: bool,
+) -> NoiseEnvelope:
+  place = _verification_device(device)
+  args, kwargs = _put((args, kwargs), place)
+  run = jax.jit(_perturbing(fn, seed))
+
+  def outputs(scale: float) -> Any:
+    # Each run's outputs go to the host at once: the device holds one run at a time.
+    with _default_device(place):
+      return _to_host(run(np.float32(scale), args, kwargs))
+
+  expected = outputs(0.0)
+  leaves = jax.tree.leaves(expected)
+  inputs = [x.dtype for x in jax.tree.leaves((args, kwargs)) if hasattr(x, "dtype")]
+  spreads: list[np.ndarray | None] = [None] * len(leaves)
+  delta = perturbation_size(inputs + [x.dtype for x in leaves])
+  if not (perturb and any(map(_is_inexact, inputs)) and any(_is_inexact(x.dtype) for x in leaves)):
+    return NoiseEnvelope(expected, tuple(spreads), 0.0)
+  for scale in (delta, -delta):
+    for i, f in enumerate(jax.tree.leaves(outputs(scale))):
+      spreads[i] = _widen(spreads[i], leaves[i], f)
+  return NoiseEnvelope(expected, tuple(spreads), delta)
+
+
+def compare_with_envelope(
+  envelope: NoiseEnvelope, got: Any, *, rtol: float | None = None, atol: float | None = None
+) -> OutputComparison:
+  """Checks ``got`` against a `noise_envelope`, by `compare_outputs`' rule.
+
+  Args:
+    envelope: the original's outputs and noise.
+    got: the outputs to check, a pytree of arrays.
+    rtol, atol: None for the noise test; either one for elementwise ``allclose``.
+
+  Returns:
+    An `OutputComparison`.
+  """
+  got = _to_host(got)
+  allclose = rtol is not None or atol is not None
+  if jax.tree.structure(envelope.expected) != jax.tree.structure(got):
+    return _structure_mismatch(envelope.expected, got, allclose)
+  expected = jax.tree_util.tree_leaves_with_path(envelope.expected)
+  leaves = tuple(
+    _compare_leaf(jax.tree_util.keystr(path), e, g, spread, rtol, atol, allclose)
+    for (path, e), g, spread in zip(expected, jax.tree.leaves(got), envelope.spreads)
+  )
+  worst = max(leaves, key=lambda leaf: leaf.noise_ratio, default=None)
+  return OutputComparison(
+    outputs_match=all(leaf.ok for leaf in leaves),
+    noise_ratio=worst.noise_ratio if worst else 0.0,
+    worst_leaf=worst.path if worst else None,
+    n_outside=sum(leaf.n_outside for leaf in leaves),
+    max_abs_error=max((leaf.max_abs_error for leaf in leaves), default=0.0),
+    max_rel_norm_error=max((leaf.rel_norm_error for leaf in leaves), default=0.0),
+    method="allclose" if allclose else "envelope",
+    perturbation=None if allclose else envelope.perturbation,
+    leaves=leaves,
+  )
+
+
+def _structure_mismatch(expected: Any, got: Any, allclose: bool) -> OutputComparison:
+  return OutputComparison(
+    outputs_match=False,
+    noise_ratio=math.inf,
+    worst_leaf=None,
+    n_outside=0,
+    max_abs_error=math.inf,
+    max_rel_norm_error=math.inf,
+    method="allclose" if allclose else "envelope",
+    perturbation=None,
+    leaves=(),
+    problem=(
+      f"the outputs' structure differs: the original returns {jax.tree.structure(expected)}, "
+      f"the optimized one {jax.tree.structure(got)}"
+    ),
+  )
+
+
+def _perturbing(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
+  """``fn`` on its inputs scaled by ``1 + scale * s``; ``scale = 0`` runs ``fn`` itself.
+
+  The scale is an argument, so every run shares one compilation, and the signs are made
+  where the inputs are.
+  """
+
+  def run(scale: jax.Array, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    leaves = [_perturb(x, scale, seed, i) for i, x in enumerate(leaves)]
+    args, kwargs = jax.tree.unflatten(tree, leaves)
+    return fn(*args, **kwargs)
+
+  return run
+
+
+def _perturb(x: Any, scale: jax.Array, seed: int, leaf: int) -> Any:
+  # Python scalars are left alone: they are often sizes or flags, not data.
+  if not _is_inexact(getattr(x, "dtype", None)):
+    return x
+  up = _random_bits(jnp.shape(x), seed, leaf) < np.uint32(_SCALE_UP_PROBABILITY * 2**32)
+  # delta is a power of two: 1 +- delta is exact, and scale = 0 multiplies by exactly 1.
+  return x * (1 + jnp.where(up, scale, -scale).astype(x.dtype))
+
+
+def _random_bits(shape: tuple[int, ...], seed: int, leaf: int) -> jax.Array:
+  """Fixed pseudo-random uint32 per element: the murmur3 finalizer of its flat index.
+
+  A few integer operations that XLA fuses into the multiply; `jax.random.bernoulli` per
+  leaf made a small training step's compile several times slower on XLA:CPU.
+  """
+  salt = np.uint32((seed * 0x632BE5AB + leaf * 0x85157AF5 + 1) % 2**32)
+  h = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape) * np.uint32(0x9E3779B1) + salt
+  h = (h ^ (h >> 16)) * np.uint32(0x85EBCA6B)
+  h = (h ^ (h >> 13)) * np.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _widen(spread: np.ndarray | None, expected: np.ndarray, perturbed: np.ndarray):
+  """``max(spread, |perturbed - expected|)`` for a floating leaf (None for others).
+
+  Where the original is NaN or Inf the non-finite rule compares the element (spread 0);
+  where only the perturbed run is, the function overflows within delta of its inputs
+  there, and the element is unbounded (inf).
+  """
+  if not _is_inexact(expected.dtype):
+    return None
+  e, p = _wide(expected), _wide(perturbed)
+  with np.errstate(invalid="ignore"):
+    new = np.where(np.isfinite(e), np.where(np.isfinite(p), np.abs(p - e), np.inf), 0.0)
+  new = new.astype(np.float64 if jnp.finfo(expected.dtype).bits == 64 else np.float32)
+  return new if spread is None else np.maximum(spread, new)
+
+
+def _compare_leaf(
+  path: str,
+  expected: np.ndarray,
+  got: np.ndarray,
+  envelope: np.ndarray | None,
+  rtol: float | None,
+  atol: float | None,
+  allclose: bool,
+) -> LeafComparison:
+  """One leaf of `compare_outputs`: the rule in its docstring."""
+  got = np.asarray(got)
+
+  def fail(problem: str, n_outside: int = 0, n_nonfinite: int = 0) -> LeafComparison:
+    return LeafComparison(
+      path,
+      expected.shape,
+      str(expected.dtype),
+      math.inf,
+      n_outside,
+      n_nonfinite,
+      math.inf,
+      math.inf,
+      problem,
+    )
+
+  if got.shape != expected.shape or got.dtype != expected.dtype:
+    return fail(
+      f"{got.dtype.name}{list(got.shape)} where the original has "
+      f"{expected.dtype.name}{list(expected.shape)}"
+    )
+  if not _is_inexact(expected.dtype):
+    n = int(np.count_nonzero(got != expected))
+    if n:
+      return fail(f"{n} of {expected.size} elements differ (must be equal exactly)", n)
+    return LeafComparison(path, expected.shape, expected.dtype.name, 0.0, 0, 0, 0.0, 0.0)
+  e, g = _wide(expected), _wide(got)
+  finite_e, finite_g = np.isfinite(e), np.isfinite(g)
+  both = finite_e & finite_g
+  same_nonfinite = ~finite_e & ~finite_g & ((np.isnan(e) & np.isnan(g)) | (e == g))
+  n_nonfinite = int(np.count_nonzero(~both & ~same_nonfinite))
+  diff = np.abs(np.subtract(g, e, out=np.zeros_like(e), where=both))
+  scale = np.abs(np.where(both, e, 0.0))
+  max_abs = float(diff.max(initial=0.0))
+  rel_norm = _ratio(float(np.linalg.norm(diff)), float(np.linalg.norm(scale)))
+  if allclose:
+    default_rtol, default_atol = backend_facts().tolerance(expected.dtype)
+    rtol = default_rtol if rtol is None else rtol
+    tol = (default_atol if atol is None else atol) + rtol * scale
+    outside = diff > tol
+    ratio = _max_ratio(diff, tol)
+  else:
+    envelope = np.zeros_like(diff) if envelope is None else np.where(both, envelope, 0.0)
+    rms = math.sqrt(float(np.mean(scale**2))) if scale.size else 0.0
+    floor = _FLOOR_ULPS * float(jnp.finfo(expected.dtype).eps) * (scale + rms)
+    outside = diff > NOISE_FACTOR * envelope + floor
+    # An unbounded element (the function overflows near it) passes and is left out of the
+    # leaf's norms, which it would make infinite.
+    bounded = np.isfinite(envelope)
+    d, env, fl = diff[bounded], envelope[bounded], floor[bounded]
+    norm_ratio = _ratio(
+      float(np.linalg.norm(d)),
+      NOISE_FACTOR * float(np.linalg.norm(env)) + float(np.linalg.norm(fl)),
+    )
+    # The peak test keeps one wrong element from hiding in a large leaf's norm. A leaf of
+    # float noise has no meaningful peak: its largest values are the tail of the noise of
+    # two different summation orders.
+    noisy = np.linalg.norm(env) >= _NOISE_DOMINATED * np.linalg.norm(scale[bounded])
+    peak_ratio = (
+      0.0
+      if noisy
+      else _ratio(
+        float(d.max(initial=0.0)),
+        NOISE_FACTOR * float(env.max(initial=0.0)) + float(fl.max(initial=0.0)),
+      )
+    )
+    ratio = max(norm_ratio, peak_ratio)
+  n_outside = int(np.count_nonzero(outside))
+  if n_nonfinite:
+    only_got = int(np.count_nonzero(finite_e & ~finite_g))
+    only_expected = int(np.count_nonzero(~finite_e & finite_g))
+    return fail(
+      f"{n_nonfinite} of {expected.size} elements are NaN or Inf in one output and not the "
+      f"same in the other ({only_got} only in the optimized one, {only_expected} only in "
+      f"the original)",
+      n_outside,
+      n_nonfinite,
+    )
+  problem = None if ratio <= 1.0 else f"noise ratio {ratio:.3g}"
+  return LeafComparison(
+    path, expected.shape, expected.dtype.name, ratio, n_outside, 0, max_abs, rel_norm, problem
+  )
+
+
+def _ratio(num: float, den: float) -> float:
+  """``num / den`` with 0/0 = 0 and x/0 = inf."""
+  return 0.0 if num == 0 else (math.inf if den == 0 else num / den)
+
+
+def _max_ratio(num: np.ndarray, den: np.ndarray) -> float:
+  """``max(num / den)`` elementwise, with 0/0 = 0 and x/0 = inf; 0 when empty."""
+  with np.errstate(divide="ignore", invalid="ignore"):
+    return float(np.where(num > 0, num / den, 0.0).max(initial=0.0))
+
+
+def _is_inexact(dtype: Any) -> bool:
+  return (
+    dtype is not None
+    and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    and jnp.issubdtype(dtype, jnp.inexact)
+  )
+
+
+def _wide(x: np.ndarray) -> np.ndarray:
+  """``x`` in float64 (complex128 for complex): differences of float32 values are exact."""
+  return x.astype(np.complex128 if jnp.issubdtype(x.dtype, jnp.complexfloating) else np.float64)
+
+
+def _to_host(tree: Any) -> Any:
+  """A pytree of numpy arrays; PRNG keys become their key data."""
+  tree = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+  return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def _is_key(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+# -- where to verify ----------------------------------------------------------------------
+
+
+def choose_verification_device(
+  baseline_peak_bytes: int, device_bytes_limit: int | None
+) -> VerificationDevice:
+  """Where to verify a plan: on the device, or on the host when the original won't fit.
+
+  Verification runs the original function (three times, `compare_outputs`), which the
+  plan exists to avoid when the device cannot hold it. The perturbed runs also hold a
+  perturbed copy of the floating-point inputs; the 10% margin covers it only when the
+  inputs are small next to the peak. This is the documented default of
+  ``jaxremat.optimize(verify="auto")``.
+
+  Args:
+    baseline_peak_bytes: XLA's peak for the original (`Measurement.peak_bytes`).
+    device_bytes_limit: the memory the device can allocate (`device_bytes_limit`); None
+      when unknown (XLA:CPU).
+
+  Returns:
+    ``"host"`` when the original's peak is above ``DEVICE_MEMORY_FRACTION`` (90%) of the
+    limit, else ``"device"`` (also when the limit is unknown).
+
+  Example:
+    >>> choose_verification_device(10 * 2**30, 16 * 2**30)
+    'device'
+    >>> choose_verification_device(15 * 2**30, 16 * 2**30)
+    'host'
+    >>> choose_verification_device(15 * 2**30, None)
+    'device'
+  """
+  if (
+    device_bytes_limit is None or baseline_peak_bytes <= DEVICE_MEMORY_FRACTION * device_bytes_limit
+  ):
+    return "device"
+  return "host"
+
+
+def device_bytes_limit() -> int | None:
+  """``memory_stats()["bytes_limit"]`` of JAX's default device; None where unreported (CPU)."""
+  stats = jax.devices()[0].memory_stats()
+  limit = stats.get("bytes_limit") if stats else None
+  return None if limit is None else int(limit)
+
+
+def _verification_device(device: str | None) -> jax.Device | None:
+  """The device to put the arguments on (None: leave them where they are)."""
+  if device is None or device == "device":
+    return None
+  if device == "host":
+    return jax.devices("cpu")[0]
+  raise ValueError(MSG_BAD_DEVICE.format(device=device, auto=""))
+
+
+def _put(tree: Any, place: jax.Device | None) -> Any:
+  return tree if place is None else jax.device_put(tree, place)
+
+
+def _default_device(place: jax.Device | None) -> Any:
+  # Constants the functions create follow the committed arguments only if they agree.
+  return contextlib.nullcontext() if place is None else jax.default_device(place)
+
+
+# -- verify -------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Verification:
   """What `verify` found.
 
   Attributes:
-    outputs_match: every output leaf is allclose to the original's.
-    max_abs_error: the largest absolute difference over all output leaves.
-    max_rel_norm_error: the largest ``||got - expected|| / ||expected||`` over the leaves.
-      Recomputation may fuse reductions differently; an optimizer such as Adam divides
-      a near-zero gradient by its own magnitude and can blow that last-bit noise up to a
-      whole step in a few elements, which elementwise comparison flags but this does not.
+    outputs_match: the outputs agree with the original's up to its float noise
+      (`compare_outputs`: same structure and non-finite positions, every leaf's noise
+      ratio at most 1), or within explicit ``rtol``/``atol``.
+    max_abs_error: the largest absolute difference where both outputs are finite, over all
+      leaves; infinite where a NaN or Inf is in one output only.
+    max_rel_norm_error: the largest ``||got - expected|| / ||expected||`` over the leaves,
+      where both are finite (a figure, not the verdict: it is O(1) on correct plans for
+      leaves whose values are all float noise, such as Adam's step on a bias before
+      BatchNorm, whose gradient is 0 up to rounding).
+    noise_ratio: the worst leaf's distance from the original over what its noise allows
+      (at most 1 passes).
+    worst_leaf: the pytree path of that output leaf.
+    n_outside: output elements outside their own noise envelope (a diagnostic, see
+      `LeafComparison.n_outside`).
     planned_recomputes: recomputed expensive equations in the plan, by HLO opcode.
     surviving_recomputes: extra instructions of those opcodes in the emitted function's
       optimized HLO over the original's (fusions and control-flow branches included).
@@ -60,13 +693,18 @@ class Verification:
     planned_flops_increase: extra flops of the recomputations over the graph's total
       (a fraction; None when the graph's nodes carry no ``flops``).
     measured_flops_increase: emitted over original flops from XLA's cost analysis, less 1.
+    device: where the outputs were computed, ``"device"`` or ``"host"``.
     original: `measure` of the original function.
     emitted: `measure` of the emitted function.
+    comparison: the output comparison, leaf by leaf.
   """
 
   outputs_match: bool
   max_abs_error: float
   max_rel_norm_error: float
+  noise_ratio: float
+  worst_leaf: str | None
+  n_outside: int
   planned_recomputes: Mapping[str, int]
   surviving_recomputes: Mapping[str, int]
   predicted_peak_bytes: int
@@ -75,8 +713,15 @@ class Verification:
   predicted_baseline_peak_bytes: int
   planned_flops_increase: float | None
   measured_flops_increase: float | None
+  device: str
   original: Measurement = dataclasses.field(repr=False)
   emitted: Measurement = dataclasses.field(repr=False)
+  comparison: OutputComparison = dataclasses.field(repr=False)
+
+  @property
+  def output_report(self) -> str:
+    """One line on how the outputs compare (`OutputComparison.describe`)."""
+    return self.comparison.describe()
 
   @property
   def recomputes_survive(self) -> bool:
@@ -117,11 +762,11 @@ class Verification:
     return self.measured_peak_bytes / max(self.predicted_xla_peak_bytes, 1) - 1.0
 
   def summary(self) -> dict[str, Any]:
-    """Every check and figure (not the two `Measurement` objects), as a JSON-ready dict."""
+    """Every check and figure (not the `Measurement` objects), as a JSON-ready dict."""
     out = {
       f.name: getattr(self, f.name)
       for f in dataclasses.fields(self)
-      if f.name not in ("original", "emitted")
+      if f.name not in ("original", "emitted", "comparison")
     }
     out.update(
       planned_recomputes=dict(self.planned_recomputes),
@@ -131,6 +776,8 @@ class Verification:
       n_surviving_recomputes=self.n_surviving_recomputes,
       peak_error=self.peak_error,
       xla_peak_error=self.xla_peak_error,
+      output_comparison=self.comparison.method,
+      output_report=self.output_report,
       original_peak_bytes=self.original.peak_bytes,
       original_temp_bytes=self.original.temp_bytes,
       emitted_temp_bytes=self.emitted.temp_bytes,
@@ -157,6 +804,10 @@ def verify(
   atol: float | None = None,
   runs: int = 0,
   original: Measurement | None = None,
+  program: Any = None,
+  device: str | None = None,
+  donate_argnums: int | Sequence[int] = (),
+  envelope: NoiseEnvelope | None = None,
   **kwargs: Any,
 ) -> Verification:
   """Checks ``emitted`` (from `jaxremat.emit`) against the original ``fn``.
@@ -167,12 +818,22 @@ def verify(
     schedule_or_program: the plan to compare with: a `Schedule`, a `Program`, or None;
       whatever is not given is read from ``emitted.schedule`` / ``emitted.program``.
     *args: arguments to run both functions on.
-    rtol, atol: tolerances of the output comparison (`numpy.allclose`); None takes each
-      output's from the backend's facts by dtype (float32 on CPU: 1e-5 and 1e-6; integers
-      and booleans exactly).
+    rtol, atol: None compares the outputs with the original's float noise
+      (`compare_outputs`); either one compares them elementwise within ``atol + rtol *
+      |expected|`` instead (a missing one is the backend's for the dtype).
     runs: timed calls per function for `measure` (0: compile and analyse only).
     original: a `measure` of ``fn`` on these arguments to reuse (when verifying many
       schedules of one function); measured here when None.
+    program: the traced program, when neither ``schedule_or_program`` nor ``emitted``
+      carries it.
+    device: where the outputs are computed: None or ``"device"`` on JAX's default device;
+      ``"host"`` on the host CPU, for a step the device cannot hold without the plan;
+      ``"auto"`` picks with `choose_verification_device`. `measure` compiles for the
+      default backend in every case (and runs there when ``runs`` > 0).
+    donate_argnums: as for `jax.jit`, for `measure` only: the outputs are computed on
+      calls that donate nothing, since ``fn`` runs three times on the same arguments.
+    envelope: a `noise_envelope` of ``fn`` on these arguments to reuse (when verifying
+      many schedules of one function); made here when None.
     **kwargs: keyword arguments to run both functions on.
 
   Returns:
@@ -180,7 +841,7 @@ def verify(
 
   Raises:
     ValueError: the plan cannot be found (pass the schedule and the program's function
-      through `emit`).
+      through `emit`), or ``device`` is not one of the choices above.
 
   Example:
     >>> import jax.numpy as jnp, jaxremat
@@ -192,7 +853,7 @@ def verify(
     (True, True, {})
   """
   schedule = getattr(emitted, "schedule", None)
-  program = getattr(emitted, "program", None)
+  program = getattr(emitted, "program", None) if program is None else program
   if isinstance(schedule_or_program, Schedule):
     schedule = schedule_or_program
   elif schedule_or_program is not None:
@@ -202,20 +863,33 @@ def verify(
       f"verify needs the schedule and the traced program behind emitted={emitted!r}; pass "
       "a function returned by jaxremat.emit, or the missing one as schedule_or_program."
     )
-  expected = jax.jit(fn)(*args, **kwargs)
-  got = jax.jit(emitted)(*args, **kwargs)
-  outputs_match, max_abs_error, max_rel_norm_error = _compare(expected, got, rtol=rtol, atol=atol)
+  if device not in (None, "device", "host", "auto"):
+    raise ValueError(MSG_BAD_DEVICE.format(device=device, auto=_MSG_AUTO))
   if original is None:
-    original = measure(fn, *args, runs=runs, **kwargs)
-  emitted_m = measure(emitted, *args, runs=runs, **kwargs)
+    original = measure(fn, *args, runs=runs, donate_argnums=donate_argnums, **kwargs)
+  if device == "auto":
+    device = choose_verification_device(original.peak_bytes, device_bytes_limit())
+  place = _verification_device(device)
+  placed_args, placed_kwargs = _put((args, kwargs), place)
+  with _default_device(place):
+    got = _to_host(jax.jit(emitted)(*placed_args, **placed_kwargs))
+  del placed_args, placed_kwargs
+  if envelope is None:
+    perturb = rtol is None and atol is None
+    envelope = _noise_envelope(fn, args, kwargs, device=device, seed=0, perturb=perturb)
+  comparison = compare_with_envelope(envelope, got, rtol=rtol, atol=atol)
+  emitted_m = measure(emitted, *args, runs=runs, donate_argnums=donate_argnums, **kwargs)
   before, after = count_hlo_ops(original.hlo_text), count_hlo_ops(emitted_m.hlo_text)
   planned = planned_recomputes(program, schedule)
   surviving = {op: after.get(op, 0) - before.get(op, 0) for op in EXPENSIVE_PRIMITIVES.values()}
   graph = program.graph
   return Verification(
-    outputs_match=outputs_match,
-    max_abs_error=max_abs_error,
-    max_rel_norm_error=max_rel_norm_error,
+    outputs_match=comparison.outputs_match,
+    max_abs_error=comparison.max_abs_error,
+    max_rel_norm_error=comparison.max_rel_norm_error,
+    noise_ratio=comparison.noise_ratio,
+    worst_leaf=comparison.worst_leaf,
+    n_outside=comparison.n_outside,
     planned_recomputes=planned,
     surviving_recomputes={op: n for op, n in surviving.items() if n or op in planned},
     predicted_peak_bytes=simulate(graph, schedule).peak_bytes,
@@ -226,36 +900,14 @@ def verify(
     measured_flops_increase=(
       emitted_m.flops / original.flops - 1.0 if original.flops and emitted_m.flops else None
     ),
+    device="host" if place is not None else "device",
     original=original,
     emitted=emitted_m,
+    comparison=comparison,
   )
 
 
-def _compare(
-  expected: Any, got: Any, *, rtol: float | None, atol: float | None
-) -> tuple[bool, float, float]:
-  """(all leaves allclose, max absolute error, max norm-wise relative error)."""
-  if jax.tree.structure(expected) != jax.tree.structure(got):
-    return False, float("inf"), float("inf")
-  match, worst, worst_rel = True, 0.0, 0.0
-  for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape or a.dtype != b.dtype:
-      return False, float("inf"), float("inf")
-    rtol_a, atol_a = backend_facts().tolerance(a.dtype)
-    rtol_a, atol_a = rtol_a if rtol is None else rtol, atol_a if atol is None else atol
-    match &= bool(np.allclose(b, a, rtol=rtol_a, atol=atol_a, equal_nan=True))
-    if a.size and np.issubdtype(a.dtype, np.number):
-      a64, b64 = a.astype(np.float64), b.astype(np.float64)
-      diff = np.abs(b64 - a64)
-      if not np.all(np.isnan(diff)):
-        worst = max(worst, float(np.nanmax(diff)))
-        norm = float(np.linalg.norm(np.nan_to_num(a64)))
-        err = float(np.linalg.norm(np.nan_to_num(diff)))
-        worst_rel = max(worst_rel, err / norm if norm else (0.0 if err == 0 else float("inf")))
-    elif a.size:
-      match &= bool(np.array_equal(a, b))
-  return match, worst, worst_rel
+# -- plan checks --------------------------------------------------------------------------
 
 
 def count_hlo_ops(hlo_text: str) -> dict[str, int]:
