@@ -1,0 +1,586 @@
+"""`targets`: compile and measure a function for a TPU or GPU this machine does not have.
+
+XLA decides device memory at compile time on TPU and GPU, so a compiled program's
+``memory_analysis()`` is the figure a plan must meet there. libtpu and the CUDA PJRT plugin
+compile for a described device without the hardware (``../shared/design/TARGETS.md``), so a
+CPU-only machine can plan and verify for a TPU v5e or an H100:
+
+- `get_target` names the device (``"cpu"``, ``"tpu-v5e"``, ``"h100"``, ...);
+- `compile_for` lowers and compiles a function for it, deviceless where needed;
+- `measure_for` / `read_figures` read XLA's memory and cost figures of the result.
+
+The plugins are optional extras: ``pip install -e ".[tpu-aot]"`` (libtpu) and
+``pip install -e ".[gpu-aot]"`` (the CUDA PJRT plugin, without the CUDA libraries). This
+module imports without them; asking for a target that needs one raises
+`TargetUnavailableError` naming the extra.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> target = get_target()  # this machine's default backend
+  >>> figures = measure_for(target, lambda x: jnp.sin(x) @ x, jnp.ones((64, 64)))
+  >>> figures.peak_bytes >= figures.argument_bytes + figures.output_bytes
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import jax
+import numpy as np
+
+from jaxremat._src import compat
+from jaxremat._src.backends import BackendFacts, backend_facts
+from jaxremat._src.errors import TargetUnavailableError
+
+PLATFORMS: Final = ("cpu", "tpu", "gpu")
+TPU_AOT_EXTRA: Final = "tpu-aot"
+GPU_AOT_EXTRA: Final = "gpu-aot"
+
+MSG_MISSING_PACKAGE: Final = (
+  "target {name!r} compiles for {platform} devices through {package}, which is not installed "
+  'in this environment ({python}). Install it with `pip install -e ".[{extra}]"` (or '
+  '`pip install "jaxremat[{extra}]"`), which takes the release that matches the installed '
+  "jax {jax_version}."
+)
+MSG_CUDA_PLUGIN_UNREGISTERED: Final = (
+  "target {name!r} needs the CUDA PJRT plugin, which is installed but did not register: JAX "
+  "started before jaxremat could prepare it, and the plugin's CUDA version check failed on "
+  "this machine (no CUDA libraries). Set JAX_PLATFORMS=cpu (or "
+  "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) in the environment before JAX starts, e.g. in the "
+  "test session's configuration or the shell that runs Python."
+)
+
+
+# ---------------------------------------------------------------------------- devices
+# TPU topologies must be divisible by libtpu's default host bounds (2x2x1): "v5e:1x1" is
+# refused, "v5e:2x2" and "v4:2x2x1" work (TARGETS.md). One device of them is compiled for.
+_TPU_TOPOLOGIES: Final = {
+  "tpu-v5e": ("v5e:2x2", "TPU v5 lite"),
+  "tpu-v4": ("v4:2x2x1", "TPU v4"),
+  "tpu-v6e": ("v6e:2x2", "TPU v6 lite"),
+}
+
+# GpuTargetConfigProto texts (xla/stream_executor/device_description.proto): the device
+# facts XLA:GPU reads when it compiles without a GPU, from NVIDIA's published figures for
+# each part (SMs, clocks, memory size and bandwidth, L2, shared memory per SM, compute
+# capability). Only fields jaxlib 0.10.2 parses (TARGETS.md). The H100's figures give the
+# peaks TARGETS.md measured (tests/test_targets.py).
+H100_SXM_TARGET_CONFIG: Final = """\
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 84942979072
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability {
+    major: 9
+  }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+}
+platform_name: "CUDA"
+dnn_version_info {
+  major: 9
+  minor: 1
+}
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+A100_SXM_80_TARGET_CONFIG: Final = """\
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 167936
+  threads_per_core_limit: 2048
+  core_count: 108
+  fpus_per_core: 64
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 2039040000000
+  l2_cache_size: 41943040
+  clock_rate_ghz: 1.41
+  device_memory_size: 85100068864
+  shared_memory_per_block_optin: 166912
+  cuda_compute_capability {
+    major: 8
+  }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+}
+platform_name: "CUDA"
+dnn_version_info {
+  major: 8
+  minor: 9
+}
+device_description_str: "NVIDIA A100-SXM4-80GB"
+"""
+
+_GPU_CONFIGS: Final = {
+  "h100": (H100_SXM_TARGET_CONFIG, "NVIDIA H100 80GB HBM3"),
+  "a100": (A100_SXM_80_TARGET_CONFIG, "NVIDIA A100-SXM4-80GB"),
+}
+# The CUDA plugin describes one GPU at a time.
+_GPU_TOPOLOGY: Final = "1x1x1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A device XLA compiles for, here or (deviceless) elsewhere.
+
+  Build one with `get_target`; a user topology is ``get_target("tpu:v5p:2x2x1")`` or a
+  ``Target(name, "gpu", target_config=TEXT)`` with a ``GpuTargetConfigProto`` text.
+
+  Attributes:
+    name: ``"cpu"``, ``"tpu-v5e"``, ``"tpu-v4"``, ``"tpu-v6e"``, ``"h100"``, ``"a100"``, or
+      a user topology's name.
+    platform: ``"cpu"``, ``"tpu"`` or ``"gpu"``.
+    device_kind: what ``device.device_kind`` reads on it, e.g. ``"TPU v5 lite"``.
+    topology: the TPU topology (``"v5e:2x2"``) or the GPU one (``"1x1x1"``); empty for CPU.
+    target_config: a GPU's ``GpuTargetConfigProto`` in text format; empty elsewhere.
+  """
+
+  name: str
+  platform: str
+  device_kind: str = ""
+  topology: str = ""
+  target_config: str = dataclasses.field(default="", repr=False)
+
+  @property
+  def lowering_platform(self) -> str:
+    """The platform name `jax.jit` lowers for (``"cuda"`` for a GPU)."""
+    return "cuda" if self.platform == "gpu" else self.platform
+
+  @property
+  def facts(self) -> BackendFacts:
+    """What jaxremat expects of XLA on this target (`jaxremat._src.backends`)."""
+    return backend_facts(self.platform)
+
+  @property
+  def local(self) -> bool:
+    """Whether this machine has devices of this kind (then nothing is compiled deviceless)."""
+    return bool(_local_devices(self))
+
+  def devices(self) -> tuple[Any, ...]:
+    """The devices compiled for: this machine's own, else the topology's compile-only ones.
+
+    Cached per target: libtpu and the CUDA plugin build a topology once per process.
+
+    Raises:
+      TargetUnavailableError: the package that describes the devices is absent, or the
+        CUDA plugin did not register.
+      ValueError: the plugin refuses the topology or the target config.
+    """
+    return _devices(self)
+
+
+# ---------------------------------------------------------------------------- naming
+
+
+def available_targets() -> tuple[str, ...]:
+  """The names `get_target` knows (user TPU topologies are ``"tpu:<topology>"``)."""
+  return ("cpu", *_TPU_TOPOLOGIES, *_GPU_CONFIGS)
+
+
+def get_target(name_or_target: str | Target | None = None) -> Target:
+  """The `Target` of that name; None is this machine's default backend.
+
+  Getting a TPU or GPU target checks that its compiler is installed; the devices are
+  described on first use (`Target.devices`). On a machine without an NVIDIA driver this
+  also sets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` if JAX has not started yet and
+  ``JAX_PLATFORMS`` is unset, so that the CUDA plugin registers for deviceless compiles
+  instead of failing its CUDA version check (TARGETS.md).
+
+  Args:
+    name_or_target: ``"cpu"``, ``"tpu-v5e"``, ``"tpu-v4"``, ``"tpu-v6e"``, ``"h100"``,
+      ``"a100"``, ``"tpu:<topology>"`` (e.g. ``"tpu:v5p:2x2x1"``), a `Target`, or None.
+
+  Returns:
+    The target, with its ``device_kind`` filled in.
+
+  Raises:
+    TargetUnavailableError: its package is not installed (the message names the extra).
+    ValueError: an unknown name or platform.
+
+  Example:
+    >>> get_target("cpu").platform
+    'cpu'
+  """
+  _prepare_cuda_plugin()
+  if name_or_target is None:
+    return _default_target()
+  if isinstance(name_or_target, Target):
+    target = name_or_target
+    if target.platform not in PLATFORMS:
+      raise ValueError(
+        f"Target {target.name!r} has platform={target.platform!r}; use one of {PLATFORMS}."
+      )
+    if target.platform == "gpu" and not target.target_config and not target.local:
+      raise ValueError(
+        f"Target {target.name!r} is a GPU this machine lacks and has no target_config: pass "
+        "a GpuTargetConfigProto text (OpenXLA's xla/backends/gpu/target_config/specs/)."
+      )
+    _require_compiler(target)
+    if not target.device_kind:
+      target = dataclasses.replace(target, device_kind=target.devices()[0].device_kind)
+    return target
+  name = str(name_or_target)
+  if name == "cpu":
+    return Target("cpu", "cpu", device_kind="cpu")
+  if name in _TPU_TOPOLOGIES:
+    topology, kind = _TPU_TOPOLOGIES[name]
+    return _require_compiler(Target(name, "tpu", device_kind=kind, topology=topology))
+  if name in _GPU_CONFIGS:
+    config, kind = _GPU_CONFIGS[name]
+    target = Target(name, "gpu", kind, _GPU_TOPOLOGY, config)
+    return _require_compiler(target)
+  if name.startswith("tpu:") and len(name) > 4:
+    target = _require_compiler(Target(name, "tpu", topology=name[4:]))
+    return dataclasses.replace(target, device_kind=target.devices()[0].device_kind)
+  raise ValueError(
+    f"get_target({name!r}): unknown target. Use one of {available_targets()}, "
+    "'tpu:<topology>' (e.g. 'tpu:v5p:2x2x1'), a Target, or None for this machine's backend."
+  )
+
+
+def _default_target() -> Target:
+  return _target_of_device(jax.devices()[0])
+
+
+def _target_of_device(device: Any) -> Target:
+  """The named target whose devices ``device`` is like, else one named after its kind."""
+  platform = backend_facts(device.platform).platform
+  for name in available_targets():
+    if name != "cpu" and _registry_platform_kind(name) == (platform, device.device_kind):
+      return get_target(name)
+  if platform == "cpu":
+    return Target("cpu", "cpu", device_kind="cpu")
+  return Target(f"{platform}:{device.device_kind}", platform, device_kind=device.device_kind)
+
+
+def _registry_platform_kind(name: str) -> tuple[str, str]:
+  if name in _TPU_TOPOLOGIES:
+    return "tpu", _TPU_TOPOLOGIES[name][1]
+  return "gpu", _GPU_CONFIGS[name][1]
+
+
+def _cuda_plugin_installed() -> bool:
+  return any(
+    importlib.util.find_spec(module) is not None
+    for module in ("jax_cuda12_plugin", "jax_cuda13_plugin")
+  )
+
+
+def _jax_platforms() -> str:
+  return os.environ.get("JAX_PLATFORMS", "") or (jax.config.jax_platforms or "")
+
+
+def _prepare_cuda_plugin() -> None:
+  """Lets the CUDA plugin register on a machine without CUDA, before JAX starts.
+
+  The plugin checks the CUDA libraries' versions when JAX imports it, unless
+  ``JAX_PLATFORMS`` leaves CUDA out; without the libraries the check fails and the plugin
+  never registers ("topology not implemented for cuda"). Skipping the check changes
+  nothing else: with no NVIDIA driver JAX's CUDA client fails and JAX falls back to CPU.
+  """
+  if compat.plugins_discovered() or _jax_platforms() or os.path.exists("/proc/driver/nvidia"):
+    return
+  if _cuda_plugin_installed():
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+def _require_compiler(target: Target) -> Target:
+  """``target``, if this process can compile for it; else a TargetUnavailableError."""
+  if target.platform == "tpu" and compat.tpu_library_path() is None and not target.local:
+    package, extra = "libtpu", TPU_AOT_EXTRA
+  elif target.platform == "gpu" and not _cuda_plugin_installed() and not target.local:
+    package, extra = "the CUDA PJRT plugin (jax-cuda12-plugin)", GPU_AOT_EXTRA
+  else:
+    return target
+  raise TargetUnavailableError(
+    MSG_MISSING_PACKAGE.format(
+      name=target.name,
+      platform=target.platform.upper(),
+      package=package,
+      python=sys.prefix,
+      extra=extra,
+      jax_version=jax.__version__,
+    )
+  )
+
+
+@functools.cache
+def _local_devices(target: Target) -> tuple[Any, ...]:
+  try:
+    devices = jax.local_devices(backend=target.platform)
+  except RuntimeError:  # no such backend here ("Unknown backend", "failed to initialize")
+    return ()
+  if target.platform == "cpu":
+    return tuple(devices)
+  return tuple(d for d in devices if not target.device_kind or d.device_kind == target.device_kind)
+
+
+@functools.cache
+def _devices(target: Target) -> tuple[Any, ...]:
+  local = _local_devices(target)
+  if local:
+    return local
+  _require_compiler(target)
+  try:
+    if target.platform == "tpu":
+      devices = compat.topology_devices("tpu", target.topology)
+    elif target.platform == "gpu":
+      devices = compat.topology_devices(
+        "cuda", topology=target.topology or _GPU_TOPOLOGY, target_config=target.target_config
+      )
+    else:
+      raise TargetUnavailableError(f"target {target.name!r}: this machine has no CPU backend.")
+  except NotImplementedError as e:  # the CUDA plugin is installed but did not register
+    raise TargetUnavailableError(MSG_CUDA_PLUGIN_UNREGISTERED.format(name=target.name)) from e
+  except jax.errors.JaxRuntimeError as e:
+    raise ValueError(
+      f"target {target.name!r}: the {target.platform.upper()} compiler refused topology="
+      f"{target.topology!r}{' and its target_config' if target.target_config else ''}: {e}"
+    ) from e
+  return tuple(devices)
+
+
+# ---------------------------------------------------------------------------- compiling
+
+
+def compile_for(
+  target: str | Target | None,
+  fn: Callable[..., Any],
+  *args: Any,
+  donate_argnums: int | Sequence[int] = (),
+  **kwargs: Any,
+) -> Any:
+  """Compiles ``fn`` on ``args`` for ``target``, without its hardware where needed.
+
+  Array arguments (and `jax.ShapeDtypeStruct`) become ``ShapeDtypeStruct`` placed on the
+  target's first device; a struct whose sharding already lies on the target's devices
+  (e.g. a ``NamedSharding`` on a mesh of them, for SPMD) keeps it. Static arguments of a
+  jitted ``fn`` are left alone.
+
+  Args:
+    target: a `get_target` name, a `Target`, or None (this machine's backend).
+    fn: the function (jitted or not).
+    *args: its positional arguments: arrays, ``ShapeDtypeStruct``s, pytrees of them.
+    donate_argnums: as for `jax.jit`.
+    **kwargs: its keyword arguments.
+
+  Returns:
+    The ``jax.stages.Compiled`` executable; it can run only where ``target.local``.
+
+  Raises:
+    TargetUnavailableError: the target's compiler is not installed.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> compiled = compile_for("cpu", jnp.tanh, jnp.ones((8, 128)))
+    >>> " tanh(" in compiled.as_text()
+    True
+  """
+  target = get_target(target)
+  devices = target.devices()
+  sharding = jax.sharding.SingleDeviceSharding(devices[0])
+  info = compat.jit_info(fn)
+  jitted = (
+    fn if info is not None and not donate_argnums else jax.jit(fn, donate_argnums=donate_argnums)
+  )
+  static_nums = set(info["static_argnums"]) if info else set()
+  static_names = set(info["static_argnames"]) if info else set()
+
+  def place(x: Any) -> Any:
+    return jax.tree.map(lambda leaf: _placed(leaf, sharding, devices), x)
+
+  args = tuple(a if i in static_nums else place(a) for i, a in enumerate(args))
+  kwargs = {k: v if k in static_names else place(v) for k, v in kwargs.items()}
+  return compat.lower_for_platform(jitted, target.lowering_platform, *args, **kwargs).compile()
+
+
+def _placed(leaf: Any, sharding: Any, devices: tuple[Any, ...]) -> Any:
+  """``leaf`` as a ShapeDtypeStruct on the target (non-array leaves as they are)."""
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    own = leaf.sharding
+    if own is not None and set(own.device_set) <= set(devices):
+      return leaf
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type)
+  if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+    aval = compat.abstract_value(leaf)
+    return jax.ShapeDtypeStruct(
+      aval.shape, aval.dtype, sharding=sharding, weak_type=getattr(aval, "weak_type", False)
+    )
+  return leaf
+
+
+# ---------------------------------------------------------------------------- figures
+# Which memory figure is the peak, as measured with jax 0.10.2 on the 16-layer tanh MLP
+# grad (batch 4096, width 256; tests/test_targets.py):
+# - TPU: `peak_memory_in_bytes` (83.75 MiB); temp reads 0 there, so argument + output +
+#   temp - alias (12.0 MiB) is only the parameters and the result.
+# - GPU: argument + output + temp - alias (80.0 MiB; 44.0009 MiB with 4-layer checkpoint
+#   segments). XLA:GPU allocates the temp buffer as one block of `temp_size_in_bytes`, so
+#   that is what the device holds; `peak_memory_in_bytes`, the heap simulation's peak of
+#   live buffers, reads up to alignment less (80.0 / 44.0001 MiB).
+# - CPU: argument + output + temp - alias (80.0 MiB); `peak_memory_in_bytes` reads 12.0
+#   MiB, the arguments and output alone (ARCHITECTURE.md fact 3).
+_PEAK_IS_XLA_PEAK: Final = frozenset({"tpu"})
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetFigures:
+  """XLA's figures for a function compiled for a target (names as in `Measurement`).
+
+  Attributes:
+    target: the target's name.
+    platform: ``"cpu"``, ``"tpu"`` or ``"gpu"``.
+    device_kind: the device compiled for.
+    argument_bytes, output_bytes, temp_bytes, alias_bytes, generated_code_bytes: the
+      fields of ``compiled.memory_analysis()``.
+    xla_peak_bytes: its ``peak_memory_in_bytes`` (None where jaxlib lacks the field).
+    peak_bytes: the peak a plan must meet: ``xla_peak_bytes`` on TPU, argument + output +
+      temp - alias on CPU and GPU (see the comment above this class for why).
+    flops, transcendentals, bytes_accessed: XLA's cost analysis of the optimized program
+      (on a deviceless GPU compile, XLA's HLO cost analysis run through the CPU client);
+      None where unavailable.
+    compile_time_s: seconds to lower and compile (None when not timed).
+    hlo_text: the optimized HLO (``compiled.as_text()``).
+  """
+
+  target: str
+  platform: str
+  device_kind: str
+  argument_bytes: int
+  output_bytes: int
+  temp_bytes: int
+  alias_bytes: int
+  generated_code_bytes: int
+  xla_peak_bytes: int | None
+  peak_bytes: int
+  flops: float | None
+  transcendentals: float | None
+  bytes_accessed: float | None
+  compile_time_s: float | None = None
+  hlo_text: str = dataclasses.field(repr=False, default="")
+
+  def summary(self) -> dict[str, Any]:
+    """Every field but the HLO text, as a JSON-ready dict."""
+    out = dataclasses.asdict(self)
+    del out["hlo_text"]
+    return out
+
+
+def read_figures(
+  compiled: Any, target: str | Target | None = None, compile_time_s: float | None = None
+) -> TargetFigures:
+  """XLA's memory and cost figures of an executable `compile_for` made for ``target``.
+
+  Args:
+    compiled: a ``jax.stages.Compiled``.
+    target: what it was compiled for (decides which memory figure is the peak); None
+      reads it from the devices of the executable's input shardings.
+    compile_time_s: recorded as given.
+
+  Returns:
+    A `TargetFigures`.
+  """
+  target = _target_of_executable(compiled) if target is None else get_target(target)
+  memory = compiled.memory_analysis()
+  xla_peak = getattr(memory, "peak_memory_in_bytes", None)
+  xla_peak = None if xla_peak is None else int(xla_peak)
+  total = int(
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    + memory.temp_size_in_bytes
+    - memory.alias_size_in_bytes
+  )
+  costs = compat.hlo_cost_analysis(compiled)
+
+  def cost(key: str) -> float | None:
+    return float(costs[key]) if key in costs else None
+
+  return TargetFigures(
+    target=target.name,
+    platform=target.platform,
+    device_kind=target.device_kind,
+    argument_bytes=int(memory.argument_size_in_bytes),
+    output_bytes=int(memory.output_size_in_bytes),
+    temp_bytes=int(memory.temp_size_in_bytes),
+    alias_bytes=int(memory.alias_size_in_bytes),
+    generated_code_bytes=int(memory.generated_code_size_in_bytes),
+    xla_peak_bytes=xla_peak,
+    peak_bytes=xla_peak if target.platform in _PEAK_IS_XLA_PEAK and xla_peak else total,
+    flops=cost("flops"),
+    transcendentals=cost("transcendentals"),
+    bytes_accessed=cost("bytes accessed"),
+    compile_time_s=compile_time_s,
+    hlo_text=compiled.as_text(),
+  )
+
+
+def _target_of_executable(compiled: Any) -> Target:
+  shardings = jax.tree.leaves(
+    (compiled.input_shardings, compiled.output_shardings),
+    is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
+  )
+  for sharding in shardings:
+    if isinstance(sharding, jax.sharding.Sharding) and sharding.device_set:
+      return _target_of_device(next(iter(sharding.device_set)))
+  return get_target()
+
+
+def measure_for(
+  target: str | Target | None,
+  fn: Callable[..., Any],
+  *args: Any,
+  donate_argnums: int | Sequence[int] = (),
+  **kwargs: Any,
+) -> TargetFigures:
+  """`compile_for` then `read_figures`: XLA's figures for ``fn`` on ``target``.
+
+  Nothing runs, so ``args`` may be ``jax.ShapeDtypeStruct`` and the step need not fit.
+
+  Args:
+    target: a `get_target` name, a `Target`, or None (this machine's backend).
+    fn: the function (jitted or not).
+    *args: its positional arguments.
+    donate_argnums: as for `jax.jit`.
+    **kwargs: its keyword arguments.
+
+  Returns:
+    A `TargetFigures`, with the compile time.
+
+  Raises:
+    TargetUnavailableError: the target's compiler is not installed.
+  """
+  target = get_target(target)
+  target.devices()  # describe the devices outside the compile time
+  start = time.perf_counter()
+  compiled = compile_for(target, fn, *args, donate_argnums=donate_argnums, **kwargs)
+  return read_figures(compiled, target, compile_time_s=time.perf_counter() - start)
