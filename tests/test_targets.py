@@ -25,8 +25,6 @@ from jaxremat._src.targets import (
   available_targets,
   compile_for,
   get_target,
-  measure_for,
-  read_figures,
 )
 from jaxremat._src.verify import count_hlo_ops
 
@@ -76,7 +74,9 @@ def mlp_figures():
 
   def get(name: str, variant: str):
     if (name, variant) not in cache:
-      cache[name, variant] = measure_for(needs(name), jax.grad(VARIANTS[variant]), *mlp_structs())
+      cache[name, variant] = jaxremat.measure(
+        jax.grad(VARIANTS[variant]), *mlp_structs(), runs=0, target=needs(name)
+      )
     return cache[name, variant]
 
   return get
@@ -94,8 +94,8 @@ def test_mlp_peaks_are_those_of_targets_md(mlp_figures, name, plain_mib, segment
     assert f.target == name and f.device_kind == get_target(name).device_kind
     assert f.argument_bytes == (LAYERS * WIDTH * WIDTH + BATCH * WIDTH) * 4
     assert f.compile_time_s > 0 and "hlo_text" not in f.summary()
-    if f.platform == "tpu":  # temp reads 0 there: the peak is XLA's own figure
-      assert f.temp_bytes == 0 and f.peak_bytes == f.xla_peak_bytes
+    if f.backend == "tpu":  # temp reads 0 there: the peak is XLA's own figure
+      assert f.temp_bytes == 0
     else:
       assert f.peak_bytes == f.argument_bytes + f.output_bytes + f.temp_bytes - f.alias_bytes
 
@@ -165,9 +165,10 @@ def test_gpu_row_reductions_take_a_shared_producer_into_a_multi_output_fusion():
 def test_every_named_target_compiles_deviceless(name):
   target = needs(name)
   assert not target.local and target.devices()[0].device_kind == target.device_kind
-  compiled = compile_for(target, lambda x: jnp.tanh(x) @ x, jnp.ones((512, 512), jnp.float32))
-  f = read_figures(compiled)  # the target is read from the executable's devices
-  assert f.target == name and f.platform == target.platform
+  f = jaxremat.measure(
+    lambda x: jnp.tanh(x) @ x, jnp.ones((512, 512), jnp.float32), runs=0, target=target
+  )
+  assert f.target == name and f.backend == target.platform
   assert f.peak_bytes >= 2 * 512 * 512 * 4
   assert f.flops == pytest.approx(2 * 512**3, rel=0.05)
 
@@ -197,18 +198,19 @@ def test_default_target_is_this_machines_backend():
     assert target == get_target("cpu") and target.name == "cpu"
 
 
-def test_cpu_figures_agree_with_measure():
-  """On CPU the peak is argument + output + temp - alias; `peak_memory_in_bytes` there
-  counts only the arguments and the output (ARCHITECTURE.md fact 3)."""
+def test_measure_for_this_machines_target_is_plain_measure():
   params = [jnp.full((64, 64), 0.01, jnp.float32) for _ in range(4)]
   x = jnp.ones((128, 64), jnp.float32)
   step = jax.grad(mlp_loss)
-  f = measure_for("cpu", step, params, x)
-  m = jaxremat.measure(step, params, x, runs=0)
-  assert f.peak_bytes == f.argument_bytes + f.output_bytes + f.temp_bytes - f.alias_bytes
-  if jax.default_backend() == "cpu":
-    assert f.peak_bytes == m.peak_bytes and f.flops == m.flops
-    assert f.xla_peak_bytes < f.peak_bytes
+  named = jaxremat.measure(step, params, x, runs=0, target=get_target().name)
+  plain = jaxremat.measure(step, params, x, runs=0)
+  assert (named.peak_bytes, named.flops, named.target) == (plain.peak_bytes, plain.flops, "cpu")
+
+
+def test_a_target_without_devices_here_cannot_run():
+  target = needs("tpu-v5e")
+  with pytest.raises(ValueError, match="pass runs=0"):
+    jaxremat.measure(jnp.tanh, jnp.ones(8), runs=1, target=target)
 
 
 def test_compile_for_keeps_static_arguments_and_donation():

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from jaxremat._src import compat
+from jaxremat._src.targets import Target, compile_for, get_target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,11 +20,14 @@ class Measurement:
 
   Attributes:
     backend: the platform it was compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``).
+    target: the target's name (`jaxremat.get_target`: ``"cpu"``, ``"tpu-v5e"``, ...).
+    device_kind: the device compiled for.
     argument_bytes, output_bytes, temp_bytes, alias_bytes, generated_code_bytes: the
       fields of ``compiled.memory_analysis()``.
-    peak_bytes: argument + output + temp - alias, XLA's peak.
-    flops, transcendentals, bytes_accessed: ``compiled.cost_analysis()`` (None where
-      the backend reports nothing).
+    peak_bytes: XLA's peak: argument + output + temp - alias on CPU and GPU,
+      ``peak_memory_in_bytes`` on TPU (`compat.memory_peak_bytes`).
+    flops, transcendentals, bytes_accessed: XLA's cost analysis of the optimized program
+      (None where the backend reports nothing).
     compile_time_s: seconds to lower and compile.
     wall_time_s: median seconds per call over ``wall_times_s`` (None with ``runs=0``).
     wall_times_s: each timed call, after the warm-up calls.
@@ -33,6 +37,8 @@ class Measurement:
   """
 
   backend: str
+  target: str
+  device_kind: str
   argument_bytes: int
   output_bytes: int
   temp_bytes: int
@@ -69,6 +75,7 @@ def measure(
   runs: int = 10,
   warmup: int = 1,
   donate_argnums: int | Sequence[int] = (),
+  target: str | Target | None = None,
   **kwargs: Any,
 ) -> Measurement:
   """Compiles ``fn`` on ``args`` and reports XLA's memory, flops and wall time.
@@ -81,13 +88,18 @@ def measure(
     warmup: untimed calls before the timed ones (none when ``runs`` is 0).
     donate_argnums: as for `jax.jit`; donated arguments are copied before each call
       (outside the timed region) so that every call gets live buffers.
+    target: what to compile for (`jaxremat.get_target`): None for this machine's
+      backend, or e.g. ``"tpu-v5e"`` / ``"h100"``, compiled without the device (then
+      ``runs`` must be 0).
     **kwargs: its keyword arguments.
 
   Returns:
     A `Measurement`.
 
   Raises:
-    ValueError: ``runs`` or ``warmup`` is negative.
+    ValueError: ``runs`` or ``warmup`` is negative, or ``runs`` asks to run on a target
+      without devices here.
+    TargetUnavailableError: the target's compiler is not installed.
 
   Example:
     >>> import jax.numpy as jnp, jaxremat
@@ -97,11 +109,21 @@ def measure(
   """
   if runs < 0 or warmup < 0:
     raise ValueError(f"runs={runs!r} and warmup={warmup!r} must be non-negative call counts.")
+  target = get_target(target)
+  if runs and not target.local:
+    raise ValueError(
+      f"runs={runs!r}, but target {target.name!r} has no devices on this machine: pass "
+      "runs=0 to compile and analyse only."
+    )
+  target.devices()  # describe a deviceless target's devices outside the compile time
   start = time.perf_counter()
-  compiled = compile_fn(fn, *args, donate_argnums=donate_argnums, **kwargs)
+  if target == get_target():
+    compiled = compile_fn(fn, *args, donate_argnums=donate_argnums, **kwargs)
+  else:
+    compiled = compile_for(target, fn, *args, donate_argnums=donate_argnums, **kwargs)
   compile_time_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
-  costs = compat.cost_analysis_dict(compiled)
+  costs = compat.hlo_cost_analysis(compiled)
   donated = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
 
   def fresh_args() -> list[Any]:
@@ -125,13 +147,15 @@ def measure(
     return float(costs[key]) if key in costs else None
 
   return Measurement(
-    backend=jax.default_backend(),
+    backend=target.platform,
+    target=target.name,
+    device_kind=target.device_kind,
     argument_bytes=int(memory.argument_size_in_bytes),
     output_bytes=int(memory.output_size_in_bytes),
     temp_bytes=int(memory.temp_size_in_bytes),
     alias_bytes=int(memory.alias_size_in_bytes),
     generated_code_bytes=int(memory.generated_code_size_in_bytes),
-    peak_bytes=compat.memory_peak_bytes(compiled),
+    peak_bytes=compat.memory_peak_bytes(compiled, target.platform),
     flops=cost("flops"),
     transcendentals=cost("transcendentals"),
     bytes_accessed=cost("bytes accessed"),

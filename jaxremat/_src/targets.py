@@ -7,7 +7,7 @@ CPU-only machine can plan and verify for a TPU v5e or an H100:
 
 - `get_target` names the device (``"cpu"``, ``"tpu-v5e"``, ``"h100"``, ...);
 - `compile_for` lowers and compiles a function for it, deviceless where needed;
-- `measure_for` / `read_figures` read XLA's memory and cost figures of the result.
+- `jaxremat.measure(fn, *args, runs=0, target=...)` reads XLA's figures of the result.
 
 The plugins are optional extras: ``pip install -e ".[tpu-aot]"`` (libtpu) and
 ``pip install -e ".[gpu-aot]"`` (the CUDA PJRT plugin, without the CUDA libraries). This
@@ -15,11 +15,9 @@ module imports without them; asking for a target that needs one raises
 `TargetUnavailableError` naming the extra.
 
 Example:
-  >>> import jax.numpy as jnp
   >>> target = get_target()  # this machine's default backend
-  >>> figures = measure_for(target, lambda x: jnp.sin(x) @ x, jnp.ones((64, 64)))
-  >>> figures.peak_bytes >= figures.argument_bytes + figures.output_bytes
-  True
+  >>> target.local, target.platform == jax.default_backend()
+  (True, True)
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ import functools
 import importlib.util
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -437,150 +434,3 @@ def _placed(leaf: Any, sharding: Any, devices: tuple[Any, ...]) -> Any:
       aval.shape, aval.dtype, sharding=sharding, weak_type=getattr(aval, "weak_type", False)
     )
   return leaf
-
-
-# ---------------------------------------------------------------------------- figures
-# Which memory figure is the peak, as measured with jax 0.10.2 on the 16-layer tanh MLP
-# grad (batch 4096, width 256; tests/test_targets.py):
-# - TPU: `peak_memory_in_bytes` (83.75 MiB); temp reads 0 there, so argument + output +
-#   temp - alias (12.0 MiB) is only the parameters and the result.
-# - GPU: argument + output + temp - alias (80.0 MiB; 44.0009 MiB with 4-layer checkpoint
-#   segments). XLA:GPU allocates the temp buffer as one block of `temp_size_in_bytes`, so
-#   that is what the device holds; `peak_memory_in_bytes`, the heap simulation's peak of
-#   live buffers, reads up to alignment less (80.0 / 44.0001 MiB).
-# - CPU: argument + output + temp - alias (80.0 MiB); `peak_memory_in_bytes` reads 12.0
-#   MiB, the arguments and output alone (ARCHITECTURE.md fact 3).
-_PEAK_IS_XLA_PEAK: Final = frozenset({"tpu"})
-
-
-@dataclasses.dataclass(frozen=True)
-class TargetFigures:
-  """XLA's figures for a function compiled for a target (names as in `Measurement`).
-
-  Attributes:
-    target: the target's name.
-    platform: ``"cpu"``, ``"tpu"`` or ``"gpu"``.
-    device_kind: the device compiled for.
-    argument_bytes, output_bytes, temp_bytes, alias_bytes, generated_code_bytes: the
-      fields of ``compiled.memory_analysis()``.
-    xla_peak_bytes: its ``peak_memory_in_bytes`` (None where jaxlib lacks the field).
-    peak_bytes: the peak a plan must meet: ``xla_peak_bytes`` on TPU, argument + output +
-      temp - alias on CPU and GPU (see the comment above this class for why).
-    flops, transcendentals, bytes_accessed: XLA's cost analysis of the optimized program
-      (on a deviceless GPU compile, XLA's HLO cost analysis run through the CPU client);
-      None where unavailable.
-    compile_time_s: seconds to lower and compile (None when not timed).
-    hlo_text: the optimized HLO (``compiled.as_text()``).
-  """
-
-  target: str
-  platform: str
-  device_kind: str
-  argument_bytes: int
-  output_bytes: int
-  temp_bytes: int
-  alias_bytes: int
-  generated_code_bytes: int
-  xla_peak_bytes: int | None
-  peak_bytes: int
-  flops: float | None
-  transcendentals: float | None
-  bytes_accessed: float | None
-  compile_time_s: float | None = None
-  hlo_text: str = dataclasses.field(repr=False, default="")
-
-  def summary(self) -> dict[str, Any]:
-    """Every field but the HLO text, as a JSON-ready dict."""
-    out = dataclasses.asdict(self)
-    del out["hlo_text"]
-    return out
-
-
-def read_figures(
-  compiled: Any, target: str | Target | None = None, compile_time_s: float | None = None
-) -> TargetFigures:
-  """XLA's memory and cost figures of an executable `compile_for` made for ``target``.
-
-  Args:
-    compiled: a ``jax.stages.Compiled``.
-    target: what it was compiled for (decides which memory figure is the peak); None
-      reads it from the devices of the executable's input shardings.
-    compile_time_s: recorded as given.
-
-  Returns:
-    A `TargetFigures`.
-  """
-  target = _target_of_executable(compiled) if target is None else get_target(target)
-  memory = compiled.memory_analysis()
-  xla_peak = getattr(memory, "peak_memory_in_bytes", None)
-  xla_peak = None if xla_peak is None else int(xla_peak)
-  total = int(
-    memory.argument_size_in_bytes
-    + memory.output_size_in_bytes
-    + memory.temp_size_in_bytes
-    - memory.alias_size_in_bytes
-  )
-  costs = compat.hlo_cost_analysis(compiled)
-
-  def cost(key: str) -> float | None:
-    return float(costs[key]) if key in costs else None
-
-  return TargetFigures(
-    target=target.name,
-    platform=target.platform,
-    device_kind=target.device_kind,
-    argument_bytes=int(memory.argument_size_in_bytes),
-    output_bytes=int(memory.output_size_in_bytes),
-    temp_bytes=int(memory.temp_size_in_bytes),
-    alias_bytes=int(memory.alias_size_in_bytes),
-    generated_code_bytes=int(memory.generated_code_size_in_bytes),
-    xla_peak_bytes=xla_peak,
-    peak_bytes=xla_peak if target.platform in _PEAK_IS_XLA_PEAK and xla_peak else total,
-    flops=cost("flops"),
-    transcendentals=cost("transcendentals"),
-    bytes_accessed=cost("bytes accessed"),
-    compile_time_s=compile_time_s,
-    hlo_text=compiled.as_text(),
-  )
-
-
-def _target_of_executable(compiled: Any) -> Target:
-  shardings = jax.tree.leaves(
-    (compiled.input_shardings, compiled.output_shardings),
-    is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
-  )
-  for sharding in shardings:
-    if isinstance(sharding, jax.sharding.Sharding) and sharding.device_set:
-      return _target_of_device(next(iter(sharding.device_set)))
-  return get_target()
-
-
-def measure_for(
-  target: str | Target | None,
-  fn: Callable[..., Any],
-  *args: Any,
-  donate_argnums: int | Sequence[int] = (),
-  **kwargs: Any,
-) -> TargetFigures:
-  """`compile_for` then `read_figures`: XLA's figures for ``fn`` on ``target``.
-
-  Nothing runs, so ``args`` may be ``jax.ShapeDtypeStruct`` and the step need not fit.
-
-  Args:
-    target: a `get_target` name, a `Target`, or None (this machine's backend).
-    fn: the function (jitted or not).
-    *args: its positional arguments.
-    donate_argnums: as for `jax.jit`.
-    **kwargs: its keyword arguments.
-
-  Returns:
-    A `TargetFigures`, with the compile time.
-
-  Raises:
-    TargetUnavailableError: the target's compiler is not installed.
-  """
-  target = get_target(target)
-  target.devices()  # describe the devices outside the compile time
-  start = time.perf_counter()
-  compiled = compile_for(target, fn, *args, donate_argnums=donate_argnums, **kwargs)
-  return read_figures(compiled, target, compile_time_s=time.perf_counter() - start)
