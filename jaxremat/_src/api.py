@@ -18,6 +18,7 @@ from jaxremat._src.planner import Plan, PlanOptions, make_plan
 from jaxremat._src.report import Report, make_report
 from jaxremat._src.signature import call_signature, jit_options
 from jaxremat._src.solvers.base import Progress
+from jaxremat._src.targets import Target
 
 MSG_TRACED = (
   "{name} is being traced (by jax.jit, eqx.filter_jit, jax.grad or jax.vmap) before it has "
@@ -79,6 +80,7 @@ def optimize(
   static_argnums: int | Sequence[int] = (),
   static_argnames: str | Sequence[str] = (),
   progress: bool | Callable[[Progress], None] = True,
+  target: str | Target | None = None,
   **solver_options: Any,
 ) -> Any:
   """Makes ``fn`` run within ``budget`` bytes of device memory, recomputing the least.
@@ -112,6 +114,11 @@ def optimize(
       by content).
     progress: print the solver's progress to stderr on solves longer than 2 s; or a
       callable that receives each `Progress` report instead.
+    target: the device whose compiler measures the budget (`jaxremat.get_target`: None
+      for this machine's backend, ``"tpu-v5e"``, ``"h100"``, ...). A target without
+      devices here is compiled for deviceless: the budget, the baseline and the plans are
+      its compiler's figures, the fence is its own, and the outputs are checked on the
+      host. The step that is returned runs on this machine.
     **solver_options: passed to the solver.
 
   Returns:
@@ -148,6 +155,7 @@ def optimize(
     max_replans=max_replans,
     progress=progress,
     solver_options=solver_options,
+    target=target,
   )
   arguments = {
     "static_argnums": _as_tuple(static_argnums),

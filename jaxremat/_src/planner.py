@@ -37,6 +37,7 @@ from jaxremat._src.schedule import Schedule
 from jaxremat._src.signature import CallSignature, FlatStep, OutputSplit, static_key
 from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import Progress
+from jaxremat._src.targets import Target, compile_for, get_target
 from jaxremat._src.trace import Program, trace_program
 from jaxremat._src.verify import (
   Verification,
@@ -140,6 +141,7 @@ class PlanOptions:
   max_replans: int = 3
   progress: bool | Callable[[Progress], None] = True
   solver_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+  target: str | Target | None = None  # resolved by `make_plan` (get_target)
 
 
 class _Deadline:
@@ -176,14 +178,24 @@ def make_plan(
       planned recomputation.
   """
   deadline = _Deadline(opts.time_limit)
+  opts = dataclasses.replace(opts, target=get_target(opts.target))
   if not any(signature.dynamic_mask):
     raise UnsupportedError(MSG_NO_ARRAYS.format(name=getattr(fn, "__name__", "the step")))
   program = trace_program(
-    fn, *args, signature=signature, cost_time_limit=_COSTS_SHARE * opts.time_limit, **kwargs
+    fn,
+    *args,
+    signature=signature,
+    cost_time_limit=_COSTS_SHARE * opts.time_limit,
+    target=opts.target,
+    **kwargs,
   )
   leaves = signature.dynamic_leaves(args, kwargs)
   baseline = measure(
-    FlatStep(fn, signature), *leaves, runs=0, donate_argnums=signature.donated_leaves
+    FlatStep(fn, signature),
+    *leaves,
+    runs=0,
+    donate_argnums=signature.donated_leaves,
+    target=opts.target,
   )
   budget_bytes = parse_budget(opts.budget, baseline.peak_bytes)
   lower_bound = lower_bound_bytes(baseline)
@@ -313,7 +325,7 @@ class _Loop:
 
   def try_schedule(self, schedule: Schedule, origin: str) -> bool:
     """Compiles a schedule and records it; whether XLA measures it within the budget."""
-    compiled = _compile(self.program, self.signature, schedule, self.opts.fence)
+    compiled = _compile(self.program, self.signature, schedule, self.opts)
     met = compiled.peak_bytes <= self.budget_bytes
     attempt = Attempt(
       schedule.solver,
@@ -352,6 +364,9 @@ class _Loop:
       if limit_s < 0.1 and self.tried:
         return  # time is up; a first plan is made even so
       try:
+        # Far over the budget in XLA, the next planning budget may fall below anything
+        # the model can reach, even below zero.
+        graph.require_feasible(planning)
         schedule = solve(
           graph,
           planning,
@@ -387,16 +402,23 @@ def next_planning_budget(
   return min(planning_bytes, predicted_bytes) - overshoot
 
 
-def _compile(program: Program, signature: CallSignature, schedule: Schedule, fence: str):
+def _compile(program: Program, signature: CallSignature, schedule: Schedule, opts: PlanOptions):
+  """Emits ``schedule`` and compiles it for the target; the step runs on this machine."""
   # Pinning every event to the plan's order raised XLA's peak on small training steps,
   # whose jaxpr order runs the optimizer update worse than XLA's own scheduler
   # (tests/test_optimize.py); the closed loop fences recomputations only.
-  emitted = emit(program, schedule, fence=fence, pin="recomputations")
-  jitted = jax.jit(FlatStep(emitted, signature), donate_argnums=signature.donated_leaves)
+  target = opts.target
+  emitted = emit(program, schedule, fence=opts.fence, pin="recomputations", backend=target.platform)
+  flat = FlatStep(emitted, signature)
+  jitted = jax.jit(flat, donate_argnums=signature.donated_leaves)
   start = time.perf_counter()
-  compiled = jitted.lower(*signature.specs).compile()
+  if target.local:
+    compiled = jitted.lower(*signature.specs).compile()
+  else:
+    compiled = compile_for(target, flat, *signature.specs, donate_argnums=signature.donated_leaves)
+  peak_bytes = compat.memory_peak_bytes(compiled, target.platform)
   step = CompiledStep(signature, program.outputs, jitted, emitted)
-  return _Compiled(step, compat.memory_peak_bytes(compiled), time.perf_counter() - start)
+  return _Compiled(step, peak_bytes, time.perf_counter() - start)
 
 
 # -- verification ------------------------------------------------------------------------
@@ -408,7 +430,8 @@ def _verify(
   """Verifies the chosen plan on the caller's arguments (`jaxremat.verify`).
 
   ``verify=True`` (or ``"auto"``) runs on the device unless the original step would not
-  fit there, then on the host CPU (`choose_verification_device`).
+  fit there, then on the host CPU (`choose_verification_device`); for a target without
+  devices here, on the host.
   """
   device = opts.verify if isinstance(opts.verify, str) else "auto"
   if device == "auto":
@@ -422,6 +445,7 @@ def _verify(
     device=device,
     original=baseline,
     donate_argnums=signature.donated_leaves,
+    target=opts.target,
   )
   if not v.outputs_match:
     raise VerificationError(
@@ -448,13 +472,13 @@ class _Keys:
 
 
 def _cache_keys(program, signature, budget_bytes, opts: PlanOptions) -> _Keys:
-  device = jax.devices()[0]
+  target = get_target(opts.target)
   program_key = fingerprint(
     jaxpr=str(program.jaxpr),
     consts=[static_key(c)[1:] for c in compat.open_jaxpr(program.jaxpr)[1]],
     graph=program.graph.to_dict()["nodes"],
     donated=signature.donated,
-    target=[device.platform, device.device_kind],
+    target=[target.name, target.platform, target.device_kind, target.topology],
     fence=opts.fence,
     versions=_versions(),
   )

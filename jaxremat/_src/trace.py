@@ -30,6 +30,7 @@ from jaxremat._src.signature import (
   is_array,
   jit_options,
 )
+from jaxremat._src.targets import Target, get_target
 
 # -- the Program: a flat jaxpr and the graph over it --------------------------------------
 
@@ -116,6 +117,7 @@ def trace_program(
   name: str | None = None,
   cache_dir: str | os.PathLike | None = None,
   cost_time_limit: float | None = None,
+  target: str | Target | None = None,
   **kwargs,
 ) -> Program:
   """Traces ``fn(*args, **kwargs)`` into a `Program` (flat jaxpr + `RematGraph`).
@@ -152,6 +154,8 @@ def trace_program(
       ``~/.cache/jaxremat``).
     cost_time_limit: seconds for costing equations with XLA; equations left when they
       are spent get shape estimates (None: no limit).
+    target: the compiler whose fusion facts group the equations (`jaxremat.get_target`;
+      None: this machine's backend). Costs are this machine's compiler's.
     **kwargs: keyword arguments of ``fn``.
 
   Returns:
@@ -198,6 +202,7 @@ def trace_program(
     cache_dir=cache_dir,
     cost_time_limit=cost_time_limit,
     workspace=workspace,
+    platform=get_target(target).platform,
   )
 
 
@@ -849,6 +854,7 @@ def build_program(
   cost_time_limit: float | None = None,
   workspace: bool = False,
   printed_jaxpr: str | None = None,
+  platform: str | None = None,
 ) -> Program:
   """Builds the `Program` of an already flat ``ClosedJaxpr`` (see `trace_program`).
 
@@ -857,7 +863,7 @@ def build_program(
   jaxpr = closed.jaxpr
   n_in = len(jaxpr.invars) + len(jaxpr.constvars)
   groups, duplicated, epilogues, materialized = _group_equations(
-    jaxpr, fold, backend_facts().reductions_duplicate_producers
+    jaxpr, fold, backend_facts(platform).reductions_duplicate_producers
   )
   producer: dict[Any, int] = {}
   for i, v in enumerate([*jaxpr.invars, *jaxpr.constvars]):
@@ -954,7 +960,7 @@ def build_program(
       "fold": fold,
       "workspace": workspace,
       "costs": costs_mode,
-      "backend": compat.backend_name(),
+      "backend": platform or compat.backend_name(),
       "jax_version": jax.__version__,
       "n_eqns": len(jaxpr.eqns),
       "roofline": costs.roofline_meta(costs_mode, cache_dir),

@@ -27,6 +27,7 @@ from jaxremat._src.emit import live_computes
 from jaxremat._src.measure import Measurement, measure
 from jaxremat._src.schedule import Schedule
 from jaxremat._src.simulate import baseline_schedule, simulate
+from jaxremat._src.targets import Target, get_target
 from jaxremat._src.trace import xla_accounted_peak_bytes
 
 # Equations whose recomputation costs real time, and the HLO instruction each becomes.
@@ -808,6 +809,7 @@ def verify(
   device: str | None = None,
   donate_argnums: int | Sequence[int] = (),
   envelope: NoiseEnvelope | None = None,
+  target: str | Target | None = None,
   **kwargs: Any,
 ) -> Verification:
   """Checks ``emitted`` (from `jaxremat.emit`) against the original ``fn``.
@@ -834,6 +836,8 @@ def verify(
       calls that donate nothing, since ``fn`` runs three times on the same arguments.
     envelope: a `noise_envelope` of ``fn`` on these arguments to reuse (when verifying
       many schedules of one function); made here when None.
+    target: what `measure` compiles for (`jaxremat.get_target`; None: this machine's
+      backend). On a target without devices here the outputs are computed on the host.
     **kwargs: keyword arguments to run both functions on.
 
   Returns:
@@ -865,8 +869,12 @@ def verify(
     )
   if device not in (None, "device", "host", "auto"):
     raise ValueError(MSG_BAD_DEVICE.format(device=device, auto=_MSG_AUTO))
+  target = get_target(target)
+  measured = dict(runs=runs if target.local else 0, donate_argnums=donate_argnums, target=target)
   if original is None:
-    original = measure(fn, *args, runs=runs, donate_argnums=donate_argnums, **kwargs)
+    original = measure(fn, *args, **measured, **kwargs)
+  if not target.local:
+    device = "host"
   if device == "auto":
     device = choose_verification_device(original.peak_bytes, device_bytes_limit())
   place = _verification_device(device)
@@ -878,7 +886,7 @@ def verify(
     perturb = rtol is None and atol is None
     envelope = _noise_envelope(fn, args, kwargs, device=device, seed=0, perturb=perturb)
   comparison = compare_with_envelope(envelope, got, rtol=rtol, atol=atol)
-  emitted_m = measure(emitted, *args, runs=runs, donate_argnums=donate_argnums, **kwargs)
+  emitted_m = measure(emitted, *args, **measured, **kwargs)
   before, after = count_hlo_ops(original.hlo_text), count_hlo_ops(emitted_m.hlo_text)
   planned = planned_recomputes(program, schedule)
   surviving = {op: after.get(op, 0) - before.get(op, 0) for op in EXPENSIVE_PRIMITIVES.values()}
