@@ -8,7 +8,10 @@ to have registered: on a machine without CUDA that takes ``JAX_PLATFORMS=cpu`` o
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -271,3 +274,19 @@ def test_optimize_for_a_target_meets_the_budget_its_compiler_measures(name, tmp_
   assert v.device == "host" and v.outputs_match and v.recomputes_survive
   assert v.n_planned_recomputes > 0 and v.measured_flops_increase > 0
   np.testing.assert_allclose(plan.compiled(*args)[2], jax.jit(step)(*args)[2], rtol=1e-6)
+
+
+def test_demo_prints_the_report_against_the_target_compiler():
+  needs("tpu-v5e")
+  # This process holds libtpu already; libtpu lets a second process in only when asked.
+  env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+  out = subprocess.run(
+    [sys.executable, "-m", "jaxremat._src.cli", "demo", "--target", "tpu-v5e", "--budget", "0.7"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=env,
+  )
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "XLA for tpu-v5e: TPU v5 lite, compiled without the device" in out.stdout
+  assert "for tpu-v5e (TPU v5 lite)" in out.stdout and ": met (XLA measured" in out.stdout

@@ -78,7 +78,7 @@ def _cmd_solve(args) -> int:
 def _cmd_demo(args) -> int:
   from jaxremat._src.demo import run_demo  # JAX loads only for the commands that need it
 
-  run_demo(budget=args.budget, solver=args.solver, time_limit=args.time_limit)
+  run_demo(budget=args.budget, solver=args.solver, time_limit=args.time_limit, target=args.target)
   return EXIT_OK
 
 
@@ -184,7 +184,16 @@ def _parser() -> _Parser:
   p.add_argument("--budget", type=float, default=0.5, help="fraction of the no-remat peak (0.5)")
   p.add_argument("--solver", default="auto", help="one of: " + ", ".join(available_solvers()))
   p.add_argument(
-    "--time-limit", type=_positive_seconds, default=15.0, help="seconds for the solver (15)"
+    "--time-limit",
+    type=_positive_seconds,
+    default=None,
+    help="seconds for planning (15; 60 for a target without devices here)",
+  )
+  p.add_argument(
+    "--target",
+    default=None,
+    help="compile and plan for this device without it: tpu-v5e, tpu-v4, tpu-v6e, h100, a100 "
+    "(extras tpu-aot / gpu-aot); default: this machine's backend",
   )
   p.set_defaults(run=_cmd_demo)
   return parser

@@ -15,6 +15,7 @@ import optax
 
 from jaxremat._src.api import optimize
 from jaxremat._src.measure import measure
+from jaxremat._src.targets import get_target
 
 
 def make_mlp_step(depth: int = 16, width: int = 256, batch: int = 4096, checkpoint: bool = False):
@@ -51,17 +52,32 @@ def make_mlp_step(depth: int = 16, width: int = 256, batch: int = 4096, checkpoi
   return step, (params, optimizer.init(params), x, y)
 
 
-def run_demo(budget: float = 0.5, solver: str = "auto", time_limit: float = 15.0) -> None:
-  """Prints the jax.checkpoint comparison and jaxremat's `Report` for the MLP step."""
+def run_demo(
+  budget: float = 0.5,
+  solver: str = "auto",
+  time_limit: float | None = None,
+  target: str | None = None,
+) -> None:
+  """Prints the jax.checkpoint comparison and jaxremat's `Report` for the MLP step, as the
+  compiler of ``target`` measures them (`jaxremat.get_target`; None: this machine's).
+
+  ``time_limit`` defaults to 15 s here and 60 s for a target without devices, whose
+  compiles take seconds each.
+  """
   mib = 2.0**20
+  target = get_target(target)
+  if time_limit is None:
+    time_limit = 15.0 if target.local else 60.0
   step, args = make_mlp_step()
   print(
     f"Training step: 16-layer tanh MLP, batch 4096, width 256, float32, SGD "
-    f"(XLA on {jax.default_backend()})."
+    f"(XLA for {target.name}: {target.device_kind}"
+    + ("" if target.local else ", compiled without the device")
+    + ")."
   )
-  plain = measure(step, *args, runs=0)
+  plain = measure(step, *args, runs=0, target=target)
   ckpt_step, _ = make_mlp_step(checkpoint=True)
-  ckpt = measure(ckpt_step, *args, runs=0)
+  ckpt = measure(ckpt_step, *args, runs=0, target=target)
   print(f"  no remat:               XLA peak {plain.peak_bytes / mib:7.1f} MiB")
   print(
     f"  per-layer checkpoint:   XLA peak {ckpt.peak_bytes / mib:7.1f} MiB, "
@@ -69,7 +85,9 @@ def run_demo(budget: float = 0.5, solver: str = "auto", time_limit: float = 15.0
   )
   print(f"\nOptimizing with jaxremat at {budget:.0%} of the no-remat peak (solver {solver!r})...")
   start = time.perf_counter()
-  fast = optimize(step, budget=budget, solver=solver, time_limit=time_limit, use_cache=False)
+  fast = optimize(
+    step, budget=budget, solver=solver, time_limit=time_limit, use_cache=False, target=target
+  )
   report = fast.report(*args, runs=3)
   print(f"planned, emitted and verified in {time.perf_counter() - start:.1f} s\n")
   print(report)

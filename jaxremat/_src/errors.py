@@ -68,18 +68,30 @@ class BudgetNotMetError(JaxrematError, RuntimeError):
     lower_bound_bytes: the proven lower bound (no plan can be below it).
   """
 
-  def __init__(self, budget_bytes: int, plan: Any, lower_bound_bytes: int, detail: str = ""):
+  def __init__(
+    self,
+    budget_bytes: int,
+    plan: Any,
+    lower_bound_bytes: int,
+    detail: str = "",
+    cached: bool = True,
+  ):
     self.budget_bytes = int(budget_bytes)
     self.plan = plan
     self.measured_peak_bytes = int(plan.measured_peak_bytes)
     self.lower_bound_bytes = int(lower_bound_bytes)
+    retry = (
+      f"Retry with budget={self.measured_peak_bytes} or more to use that plan (the plan "
+      "cache keeps it), raise"
+      if cached
+      else "Raise"
+    )
     super().__init__(
       f"No plan that jaxremat found meets budget={self.budget_bytes} bytes as the compiler "
-      f"measures it{detail}; the best measures {self.measured_peak_bytes} bytes. Retry with "
-      f"budget={self.measured_peak_bytes} or more to use that plan (the plan cache keeps "
-      "it), raise time_limit to search longer, or catch BudgetNotMetError and run its "
-      f".plan.compiled. No plan can go below {self.lower_bound_bytes} bytes (the step's "
-      "arguments and outputs)."
+      f"measures it{detail}; the best measures {self.measured_peak_bytes} bytes. {retry} "
+      "time_limit to search longer, or catch BudgetNotMetError and run its .plan.compiled. "
+      f"No plan can go below {self.lower_bound_bytes} bytes (the step's arguments and "
+      "outputs)."
     )
 
 

@@ -108,6 +108,7 @@ class Plan:
     attempts: every plan compiled for this signature, in order.
     from_cache: whether the schedule came from the plan cache.
     verification: what verifying the plan found (None with ``verify=False``).
+    target: the device whose compiler measured the plan.
     plan_time_s: seconds from the first call to a compiled, verified step.
     compile_time_s: of those, the seconds XLA spent compiling the optimized step(s).
     compiled: the optimized step.
@@ -122,6 +123,7 @@ class Plan:
   attempts: tuple[Attempt, ...]
   from_cache: bool
   verification: Verification | None
+  target: Target
   plan_time_s: float
   compile_time_s: float
   compiled: CompiledStep = dataclasses.field(repr=False, compare=False)
@@ -256,13 +258,14 @@ def make_plan(
     attempts=tuple(t.attempt for t in loop.tried),
     from_cache=best.attempt.origin == "cache",
     verification=verification,
+    target=opts.target,
     plan_time_s=deadline.elapsed_s(),
     compile_time_s=sum(t.compiled.compile_time_s for t in loop.tried),
     compiled=best.compiled.step,
   )
   if not met:
     detail = f" in {len(loop.tried)} plan(s) and {deadline.elapsed_s():.0f} s"
-    raise BudgetNotMetError(budget_bytes, plan, lower_bound, detail)
+    raise BudgetNotMetError(budget_bytes, plan, lower_bound, detail, cached=cache is not None)
   if cache and best.attempt.origin != "cache":
     cache.store(keys.plan, schedule, info={"graph": program.graph.name, "versions": _versions()})
   return plan

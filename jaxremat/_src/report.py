@@ -68,13 +68,14 @@ class Report:
       ),
       (
         "wall time",
-        f"{(orig.wall_time_s or 0) * 1e3:.2f} ms",
-        f"{(opt.wall_time_s or 0) * 1e3:.2f} ms",
+        _ms(orig.wall_time_s),
+        _ms(opt.wall_time_s),
         ratio(opt.wall_time_s, orig.wall_time_s),
       ),
     ]
     lines = [
-      f"jaxremat: {p.program.graph.name} ({p.program.graph.n} nodes) on {opt.backend}",
+      f"jaxremat: {p.program.graph.name} ({p.program.graph.n} nodes) for {opt.target} "
+      f"({opt.device_kind})",
       f"budget {p.budget_bytes / mib:.1f} MiB: {met} (XLA measured {opt.peak_bytes / mib:.1f} MiB)",
       f"solver {self.plan.schedule.solver}: {s.get('status')} in {s.get('solve_time_s', 0):.2f} s"
       + (" (plan from cache)" if p.from_cache else f", {len(p.attempts)} plan(s)"),
@@ -91,14 +92,22 @@ class Report:
     return "\n".join(lines)
 
 
+def _ms(seconds: float | None) -> str:
+  return "not run" if seconds is None else f"{seconds * 1e3:.2f} ms"
+
+
 def make_report(
   plan: Plan, fn: Callable[..., Any], args: tuple, kwargs: dict, *, runs: int = 5
 ) -> Report:
   """Measures the original ``fn`` and ``plan``'s step on these arguments, with the step's
-  donation (donated arguments are copied before each call)."""
+  donation (donated arguments are copied before each call), for the plan's target; a
+  target without devices here is compiled for, not run."""
   signature = plan.compiled.signature
   leaves = signature.dynamic_leaves(args, kwargs)
-  donated = signature.donated_leaves
-  original = measure(FlatStep(fn, signature), *leaves, runs=runs, donate_argnums=donated)
-  optimized = measure(plan.compiled.jitted, *leaves, runs=runs, donate_argnums=donated)
+  target = plan.target
+  options = dict(
+    runs=runs if target.local else 0, donate_argnums=signature.donated_leaves, target=target
+  )
+  original = measure(FlatStep(fn, signature), *leaves, **options)
+  optimized = measure(plan.compiled.jitted, *leaves, **options)
   return Report(plan, original, optimized)
