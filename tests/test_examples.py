@@ -86,7 +86,7 @@ def test_cli_runs_jaxremat_at_a_budget_and_the_losses_match(capsys, tmp_path, mo
   from examples import mlp
 
   monkeypatch.setenv("JAXREMAT_CACHE_DIR", str(tmp_path))
-  argv = ["--small", "--budget", "0.9", "--steps", "2", "--runs", "1", "--time-limit", "5"]
+  argv = ["--small", "--budget", "0.9", "--steps", "2", "--runs", "1", "--time-limit", "20"]
   assert _common.main(mlp, argv)
   out = capsys.readouterr().out
   assert "budget" in out and ": met (XLA measured" in out
