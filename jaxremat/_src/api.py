@@ -43,6 +43,7 @@ class OptimizedFunction:
     # Static and donated arguments: optimize's own and those of a jax.jit-wrapped step.
     jitted = jit_options(fn)
     self._arguments = {k: (*v, *jitted.get(k, ())) for k, v in arguments.items()}
+    self._arguments["trace_scalars"] = jitted.get("trace_scalars", True)
     # Not __dict__: a wrapper's fields (Equinox's `fn`) would overwrite this object's.
     functools.update_wrapper(self, fn, updated=())
 

@@ -212,6 +212,13 @@ def abstract_value(x: Any) -> Any:
   return typeof(x)
 
 
+def is_filter_jit(fn: Any) -> bool:
+  """Whether ``fn`` is wrapped by ``eqx.filter_jit``, which traces arrays only (Python
+  scalars stay static), unlike `jax.jit`. Equinox keeps the wrapper class private."""
+  cls = type(fn)
+  return cls.__module__.startswith("equinox") and cls.__name__ == "_JitWrapper"
+
+
 def jit_info(fn: Any) -> dict[str, tuple] | None:
   """The static and donated arguments of a `jax.jit`-wrapped function (None otherwise).
 

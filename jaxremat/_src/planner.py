@@ -35,6 +35,7 @@ from jaxremat._src.minimize import minimize_peak
 from jaxremat._src.plan_cache import PlanCache, fingerprint
 from jaxremat._src.schedule import Schedule
 from jaxremat._src.signature import CallSignature, FlatStep, OutputSplit, static_key
+from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import Progress
 from jaxremat._src.targets import Target, compile_for, get_target
@@ -71,7 +72,7 @@ class Attempt:
   planning_budget_bytes: int
   predicted_peak_bytes: int
   measured_peak_bytes: int
-  origin: str = "solve"  # "solve", "cache" or "measured plans"
+  origin: str = "solve"  # "solve", "cache", "baseline" or "measured plans"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +210,10 @@ def make_plan(
   cached = cache.load(keys.plan, program.graph) if cache else None
   if cached is not None:
     loop.try_schedule(cached, "cache")
+  if not loop.met and budget_bytes >= baseline.peak_bytes:
+    # The original fits: no recomputation is the cheapest plan, whatever the model says.
+    no_remat = simulate(program.graph, baseline_schedule(program.graph)).peak_bytes
+    loop.try_schedule(solve(program.graph, no_remat, "noremat"), "baseline")
   if not loop.met:
     loop.run(opts.solver)
   if not loop.met and opts.solver == "auto":

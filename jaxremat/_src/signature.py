@@ -30,9 +30,11 @@ MSG_UNHASHABLE_STATIC = (
 )
 
 
-def is_array(x: Any) -> bool:
-  """Whether a leaf is traced: an array, an array spec, or a Python scalar (as in jax.jit)."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, *_SCALARS))
+def is_array(x: Any, scalars: bool = True) -> bool:
+  """Whether a leaf is traced: an array, an array spec, or a Python scalar (as `jax.jit`
+  traces them; ``scalars=False``: as ``eqx.filter_jit`` keeps them static)."""
+  kinds = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+  return isinstance(x, (*kinds, *_SCALARS) if scalars else kinds)
 
 
 def _is_array_output(x: Any) -> bool:
@@ -142,8 +144,12 @@ def call_signature(
   static_argnames: str | Sequence[str] = (),
   donate_argnums: int | Sequence[int] = (),
   donate_argnames: str | Sequence[str] = (),
+  trace_scalars: bool = True,
 ) -> CallSignature:
   """Splits a call into traced and static leaves (see the module docstring).
+
+  ``trace_scalars=False`` keeps Python scalars static, as ``eqx.filter_jit`` does (an
+  Equinox module's float and bool fields, such as a dropout rate and its mode).
 
   Raises:
     ValueError: an argument position does not exist, or a static value is neither an
@@ -166,7 +172,7 @@ def call_signature(
   for (path, x), (static, donate) in zip(with_paths, marks, strict=True):
     # ((args, kwargs)) -> "args[0]['w']" / "kwargs['lr']"
     name = re.sub(r"^\[1\]", "kwargs", re.sub(r"^\[0\]", "args", jax.tree_util.keystr(path)))
-    dynamic = not static and is_array(x)
+    dynamic = not static and is_array(x, trace_scalars)
     dynamic_mask.append(dynamic)
     if dynamic:
       specs.append(abstract(x))
@@ -235,9 +241,12 @@ class FlatStep:
     return [x for x, m in zip(leaves, mask) if m]
 
 
-def jit_options(fn: Any) -> dict[str, tuple]:
-  """The static and donated arguments a `jax.jit`-wrapped ``fn`` was given (empty for
-  other callables), with donated argument names also turned into positions."""
+def jit_options(fn: Any) -> dict[str, Any]:
+  """The `call_signature` options a wrapped ``fn`` implies: the static and donated
+  arguments of a `jax.jit` wrapper (donated names also as positions), Python scalars kept
+  static under ``eqx.filter_jit``; empty for other callables."""
+  if compat.is_filter_jit(fn):
+    return {"trace_scalars": False}
   info = compat.jit_info(fn)
   if info is None:
     return {}

@@ -184,6 +184,7 @@ def trace_program(
       static_argnames=_union(static_argnames, jitted.get("static_argnames", ())),
       donate_argnums=_union(donate_argnums, jitted.get("donate_argnums", ())),
       donate_argnames=jitted.get("donate_argnames", ()),
+      trace_scalars=jitted.get("trace_scalars", True),
     )
   flat_fn = FlatStep(fn, signature)
   fn_name = name or getattr(fn, "__name__", None) or type(fn).__name__
