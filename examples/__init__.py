@@ -6,6 +6,11 @@ with example arguments), ``SMALL`` (the smallest sizes, for tests) and a
 ``python -m examples.NAME [--budget 0.5]`` main that runs a few steps, with jaxremat at
 the budget if one is given. ``loss(..., checkpoint="per_block" | "sqrt_n")`` checkpoints
 the model's blocks with `jax.checkpoint` (see ``examples._common.checkpointed_loss``).
+
+``flax_cnn`` (Flax linen: BatchNorm, Dropout, AdamW with a float learning rate) and
+``equinox_transformer`` (Equinox, Adam) write their steps as those libraries' users do, with
+static and donated arguments; each has ``make_train_step(size) -> (step, args, kwargs)``
+for ``size`` ``"small"`` or ``"default"`` and is not in `EXAMPLES`.
 """
 
 import importlib

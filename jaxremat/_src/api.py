@@ -75,7 +75,7 @@ def optimize(
   cache_dir: str | None = None,
   use_cache: bool = True,
   fence: str = "auto",
-  max_replans: int = 3,
+  max_replans: int = 7,
   donate_argnums: int | Sequence[int] = (),
   donate_argnames: str | Sequence[str] = (),
   static_argnums: int | Sequence[int] = (),
@@ -108,7 +108,9 @@ def optimize(
     cache_dir: the plan cache (default ``$JAXREMAT_CACHE_DIR`` or ``~/.cache/jaxremat``).
     use_cache: read and write the plan cache.
     fence: how recomputations are kept from being merged away (see `jaxremat.emit`).
-    max_replans: how many more plans may be compiled when XLA measures one over budget.
+    max_replans: how many more plans may be compiled when XLA measures one over budget
+      (at most ``1 + max_replans`` solved plans per signature; ``auto`` then tries the
+      segment planners with what is left).
     donate_argnums, donate_argnames: as for `jax.jit`; the budget's fraction is taken
       of the donated original's peak.
     static_argnums, static_argnames: as for `jax.jit` (any hashable value, or an array

@@ -44,6 +44,9 @@ from jaxremat._src.verify import (
   Verification,
   choose_verification_device,
   device_bytes_limit,
+  planned_recomputes,
+  recomputes_survive,
+  surviving_recomputes,
   verify,
 )
 
@@ -141,7 +144,7 @@ class PlanOptions:
   cache_dir: str | None = None
   use_cache: bool = True
   fence: str = "auto"
-  max_replans: int = 3
+  max_replans: int = 7
   progress: bool | Callable[[Progress], None] = True
   solver_options: dict[str, Any] = dataclasses.field(default_factory=dict)
   target: str | Target | None = None  # resolved by `make_plan` (get_target)
@@ -238,7 +241,7 @@ def make_plan(
   best = (
     min(met, key=lambda t: t.schedule.stats["duration"])
     if met
-    else min(loop.tried, key=lambda t: t.compiled.peak_bytes)
+    else min(loop.tried, key=lambda t: (not t.kept, t.compiled.peak_bytes))
   )
   verification = (
     _verify(fn, signature, leaves, program, best, baseline, opts) if opts.verify else None
@@ -298,6 +301,7 @@ class _Compiled:
   step: CompiledStep
   peak_bytes: int
   compile_time_s: float
+  hlo_text: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,6 +310,7 @@ class _Tried:
   schedule: Schedule
   compiled: _Compiled
   met: bool
+  kept: bool  # XLA kept every planned expensive recomputation
 
 
 class _Loop:
@@ -320,6 +325,7 @@ class _Loop:
     self.deadline = deadline
     self.tried: list[_Tried] = []
     self.least_peak_tried = False
+    self.baseline_hlo = baseline.hlo_text
     # Seconds kept back for compiling and verifying a plan, from the original's compile.
     compiles = _COMPILES_PER_PLAN + (_COMPILES_TO_VERIFY if opts.verify else 0.0)
     self.reserve_s = max(baseline.compile_time_s, 0.05) * compiles
@@ -334,7 +340,13 @@ class _Loop:
   def try_schedule(self, schedule: Schedule, origin: str) -> bool:
     """Compiles a schedule and records it; whether XLA measures it within the budget."""
     compiled = _compile(self.program, self.signature, schedule, self.opts)
-    met = compiled.peak_bytes <= self.budget_bytes
+    # A plan whose recomputations XLA merged away (two identical ones, say) saves nothing
+    # real and would fail verification: it does not count as meeting the budget.
+    kept = recomputes_survive(
+      planned_recomputes(self.program, schedule),
+      surviving_recomputes(self.baseline_hlo, compiled.hlo_text),
+    )
+    met = kept and compiled.peak_bytes <= self.budget_bytes
     attempt = Attempt(
       schedule.solver,
       int(schedule.budget if schedule.budget is not None else self.budget_bytes),
@@ -342,14 +354,15 @@ class _Loop:
       compiled.peak_bytes,
       origin,
     )
-    self.tried.append(_Tried(attempt, schedule, compiled, met))
+    self.tried.append(_Tried(attempt, schedule, compiled, met, kept))
     if not met:
       logger.info(
-        "jaxremat: %s plan (%s) measures %d bytes in XLA, over the budget of %d.",
+        "jaxremat: %s plan (%s) measures %d bytes in XLA (budget %d)%s.",
         schedule.solver,
         origin,
         compiled.peak_bytes,
         self.budget_bytes,
+        "" if kept else "; XLA merged planned recomputations away",
       )
     return met
 
@@ -426,7 +439,7 @@ def _compile(program: Program, signature: CallSignature, schedule: Schedule, opt
     compiled = compile_for(target, flat, *signature.specs, donate_argnums=signature.donated_leaves)
   peak_bytes = compat.memory_peak_bytes(compiled, target.platform)
   step = CompiledStep(signature, program.outputs, jitted, emitted)
-  return _Compiled(step, peak_bytes, time.perf_counter() - start)
+  return _Compiled(step, peak_bytes, time.perf_counter() - start, compiled.as_text())
 
 
 # -- verification ------------------------------------------------------------------------

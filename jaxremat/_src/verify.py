@@ -730,11 +730,7 @@ class Verification:
 
     Dots and convolutions count together: XLA lowers some convolutions to dots.
     """
-    return all(
-      sum(self.surviving_recomputes.get(op, 0) for op in group)
-      >= sum(self.planned_recomputes.get(op, 0) for op in group)
-      for group in _OPCODE_GROUPS
-    )
+    return recomputes_survive(self.planned_recomputes, self.surviving_recomputes)
 
   @property
   def n_planned_recomputes(self) -> int:
@@ -887,9 +883,8 @@ def verify(
     envelope = _noise_envelope(fn, args, kwargs, device=device, seed=0, perturb=perturb)
   comparison = compare_with_envelope(envelope, got, rtol=rtol, atol=atol)
   emitted_m = measure(emitted, *args, **measured, **kwargs)
-  before, after = count_hlo_ops(original.hlo_text), count_hlo_ops(emitted_m.hlo_text)
   planned = planned_recomputes(program, schedule)
-  surviving = {op: after.get(op, 0) - before.get(op, 0) for op in EXPENSIVE_PRIMITIVES.values()}
+  surviving = surviving_recomputes(original.hlo_text, emitted_m.hlo_text)
   graph = program.graph
   return Verification(
     outputs_match=comparison.outputs_match,
@@ -916,6 +911,21 @@ def verify(
 
 
 # -- plan checks --------------------------------------------------------------------------
+
+
+def recomputes_survive(planned: Mapping[str, int], surviving: Mapping[str, int]) -> bool:
+  """Whether at least the planned expensive recomputations (by HLO opcode) survive; dots
+  and convolutions count together, since XLA lowers some convolutions to dots."""
+  return all(
+    sum(surviving.get(op, 0) for op in group) >= sum(planned.get(op, 0) for op in group)
+    for group in _OPCODE_GROUPS
+  )
+
+
+def surviving_recomputes(original_hlo: str, emitted_hlo: str) -> dict[str, int]:
+  """Extra instructions of each expensive opcode in the emitted HLO over the original's."""
+  before, after = count_hlo_ops(original_hlo), count_hlo_ops(emitted_hlo)
+  return {op: after.get(op, 0) - before.get(op, 0) for op in EXPENSIVE_PRIMITIVES.values()}
 
 
 def count_hlo_ops(hlo_text: str) -> dict[str, int]:
