@@ -37,7 +37,7 @@ from jaxremat._src.schedule import Schedule
 from jaxremat._src.signature import CallSignature, FlatStep, OutputSplit, static_key
 from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solve import solve
-from jaxremat._src.solvers.base import Progress
+from jaxremat._src.solvers.base import Progress, get_solver
 from jaxremat._src.targets import Target, compile_for, get_target
 from jaxremat._src.trace import Program, trace_program
 from jaxremat._src.verify import (
@@ -184,6 +184,7 @@ def make_plan(
       planned recomputation.
   """
   deadline = _Deadline(opts.time_limit)
+  get_solver(opts.solver)  # a misspelled solver fails now, not after a plan that needs none
   opts = dataclasses.replace(opts, target=get_target(opts.target))
   if not any(signature.dynamic_mask):
     raise UnsupportedError(MSG_NO_ARRAYS.format(name=getattr(fn, "__name__", "the step")))
