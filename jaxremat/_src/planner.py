@@ -38,7 +38,7 @@ from jaxremat._src.signature import CallSignature, FlatStep, OutputSplit, static
 from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import Progress, get_solver
-from jaxremat._src.targets import Target, compile_for, get_target
+from jaxremat._src.targets import Target, get_target
 from jaxremat._src.trace import Program, trace_program
 from jaxremat._src.verify import (
   Verification,
@@ -300,9 +300,19 @@ def _lower_bound_proof(baseline: Measurement) -> str:
 @dataclasses.dataclass(frozen=True)
 class _Compiled:
   step: CompiledStep
-  peak_bytes: int
-  compile_time_s: float
-  hlo_text: str
+  measurement: Measurement  # of the emitted step, for the target; verification reuses it
+
+  @property
+  def peak_bytes(self) -> int:
+    return self.measurement.peak_bytes
+
+  @property
+  def compile_time_s(self) -> float:
+    return self.measurement.compile_time_s
+
+  @property
+  def hlo_text(self) -> str:
+    return self.measurement.hlo_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,15 +442,10 @@ def _compile(program: Program, signature: CallSignature, schedule: Schedule, opt
   target = opts.target
   emitted = emit(program, schedule, fence=opts.fence, pin="recomputations", backend=target.platform)
   flat = FlatStep(emitted, signature)
-  jitted = jax.jit(flat, donate_argnums=signature.donated_leaves)
-  start = time.perf_counter()
-  if target.local:
-    compiled = jitted.lower(*signature.specs).compile()
-  else:
-    compiled = compile_for(target, flat, *signature.specs, donate_argnums=signature.donated_leaves)
-  peak_bytes = compat.memory_peak_bytes(compiled, target.platform)
-  step = CompiledStep(signature, program.outputs, jitted, emitted)
-  return _Compiled(step, peak_bytes, time.perf_counter() - start, compiled.as_text())
+  donated = signature.donated_leaves
+  measured = measure(flat, *signature.specs, runs=0, donate_argnums=donated, target=target)
+  step = CompiledStep(signature, program.outputs, jax.jit(flat, donate_argnums=donated), emitted)
+  return _Compiled(step, measured)
 
 
 # -- verification ------------------------------------------------------------------------
@@ -466,6 +471,7 @@ def _verify(
     program=program,
     device=device,
     original=baseline,
+    emitted_measurement=best.compiled.measurement,
     donate_argnums=signature.donated_leaves,
     target=opts.target,
   )

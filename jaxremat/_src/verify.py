@@ -801,6 +801,7 @@ def verify(
   atol: float | None = None,
   runs: int = 0,
   original: Measurement | None = None,
+  emitted_measurement: Measurement | None = None,
   program: Any = None,
   device: str | None = None,
   donate_argnums: int | Sequence[int] = (),
@@ -822,6 +823,8 @@ def verify(
     runs: timed calls per function for `measure` (0: compile and analyse only).
     original: a `measure` of ``fn`` on these arguments to reuse (when verifying many
       schedules of one function); measured here when None.
+    emitted_measurement: a `measure` of ``emitted`` to reuse (the planner has compiled it
+      already); measured here when None.
     program: the traced program, when neither ``schedule_or_program`` nor ``emitted``
       carries it.
     device: where the outputs are computed: None or ``"device"`` on JAX's default device;
@@ -882,7 +885,7 @@ def verify(
     perturb = rtol is None and atol is None
     envelope = _noise_envelope(fn, args, kwargs, device=device, seed=0, perturb=perturb)
   comparison = compare_with_envelope(envelope, got, rtol=rtol, atol=atol)
-  emitted_m = measure(emitted, *args, **measured, **kwargs)
+  emitted_m = emitted_measurement or measure(emitted, *args, **measured, **kwargs)
   planned = planned_recomputes(program, schedule)
   surviving = surviving_recomputes(original.hlo_text, emitted_m.hlo_text)
   graph = program.graph
