@@ -1,14 +1,22 @@
 """End to end against jax.checkpoint: what jaxremat gives a user over checkpointing by hand.
 
 For each example training step (examples/: loss, value_and_grad, Adam) it measures, with
-XLA's own figures (memory_analysis peak = argument + output + temp - alias, cost_analysis
-FLOPs, median wall time of calls timed in turn):
+the target compiler's own figures (`jaxremat.measure`: the memory_analysis peak,
+cost_analysis FLOPs, median wall time of calls timed in turn where the target's devices
+are here):
 
 * no remat (the reference: budgets are fractions of its peak);
 * the jax.checkpoint variants a user would try (`examples._common.CHECKPOINT_VARIANTS`):
-  policies ``nothing_saveable`` and ``dots_saveable`` over the whole loss, one
-  checkpoint per block, and segments of sqrt(n) blocks;
-* `jaxremat.optimize` (solver ``auto``) at each budget (0.9, 0.7, 0.5).
+  policies ``nothing_saveable``, ``dots_saveable`` and
+  ``dots_with_no_batch_dims_saveable`` over the whole loss, one checkpoint per block, and
+  segments of sqrt(n) blocks; on TPU and GPU also the blocks' outputs offloaded to pinned
+  host memory (``offload_blocks``);
+* `jaxremat.optimize` (solver ``auto``) at each budget (0.9, 0.7, 0.5), with the peak its
+  model predicted beside the one the compiler measured.
+
+``--target tpu-v5e`` / ``--target h100`` compiles for that device without it
+(`jaxremat.get_target`; extras ``tpu-aot`` / ``gpu-aot``): peaks and FLOPs are the target
+compiler's, no wall time is taken, and outputs are checked on this machine's CPU.
 
 For each it records the peak, the FLOP and wall-time ratios against no remat, which
 budgets the peak meets as XLA measures it (for jaxremat also whether jaxremat reported the
@@ -25,6 +33,7 @@ Run from the repository root:
   python -m benchmarks.e2e                     # every example, every budget
   python -m benchmarks.e2e --rerun-solvers     # the same, and the solver benchmarks rerun
   python -m benchmarks.e2e --quick             # U-Net and ResNet at 0.7 (a few minutes)
+  python -m benchmarks.e2e --target tpu-v5e    # for TPU v5e, on this machine
 """
 
 from __future__ import annotations
@@ -113,8 +122,19 @@ def interleaved_times_s(calls: list, args, runs: int) -> list[float]:
   return [statistics.median(t) for t in times]
 
 
-def run_example(name: str, budgets, time_limit_s: float, runs: int, small: bool) -> list[dict]:
-  """Every method on one example's training step; one row per method (and budget)."""
+def variants_for(target: jaxremat.Target) -> tuple[str, ...]:
+  """The jax.checkpoint variants to compare on ``target``: offloading needs host memory."""
+  offload = (_common.OFFLOAD_VARIANT,) if target.platform in ("tpu", "gpu") else ()
+  return (*_common.CHECKPOINT_VARIANTS, *offload)
+
+
+def run_example(
+  name: str, budgets, time_limit_s: float, runs: int, small: bool, target: jaxremat.Target
+) -> list[dict]:
+  """Every method on one example's training step; one row per method (and budget).
+
+  Wall times and the variants' outputs are taken only where ``target`` runs here.
+  """
   module = examples.load(name)
   params, batch = _common.example_args(module, **(module.SMALL if small else {}))
 
@@ -122,30 +142,36 @@ def run_example(name: str, budgets, time_limit_s: float, runs: int, small: bool)
     return _common.make_train_step(_common.checkpointed_loss(module, variant), params, batch)
 
   step, args = step_for(None)
-  base = jaxremat.measure(step, *args, runs=0)
+  base = jaxremat.measure(step, *args, runs=0, target=target)
   timed = [jax.jit(step)]  # the rows' compiled steps, timed together at the end
   reference = noise_envelope(step, *args)
   budgets_bytes = {b: jaxremat.parse_budget(b, base.peak_bytes) for b in budgets}
-  common = {"example": name, "sizes": "small" if small else "default"}
+  common = {"example": name, "sizes": "small" if small else "default", "target": target.name}
   rows = [
     {**common, "method": "no remat", **_figures(base, base, budgets_bytes)}
     | agreement(reference.expected, reference)
   ]
-  for variant in _common.CHECKPOINT_VARIANTS:
+  for variant in variants_for(target):
     step, args = step_for(variant)
-    m = jaxremat.measure(step, *args, runs=0)
-    timed.append(jax.jit(step))
-    rows.append(
-      {**common, "method": f"jax.checkpoint {variant}", **_figures(m, base, budgets_bytes)}
-      | agreement(timed[-1](*args), reference)
-    )
+    m = jaxremat.measure(step, *args, runs=0, target=target)
+    row = {**common, "method": f"jax.checkpoint {variant}", **_figures(m, base, budgets_bytes)}
+    if target.local:
+      timed.append(jax.jit(step))
+      row |= agreement(timed[-1](*args), reference)
+    rows.append(row)
 
   step, args = step_for(None)
   for budget in budgets:
     row = {**common, "method": "jaxremat auto", "budget": budget}
     row["budget_bytes"] = budgets_bytes[budget]
     fast = jaxremat.optimize(
-      step, budget=budget, solver="auto", time_limit=time_limit_s, use_cache=False, progress=False
+      step,
+      budget=budget,
+      solver="auto",
+      time_limit=time_limit_s,
+      use_cache=False,
+      progress=False,
+      target=target,
     )
     start = time.perf_counter()
     try:
@@ -161,8 +187,9 @@ def run_example(name: str, budgets, time_limit_s: float, runs: int, small: bool)
       row["best_measured_peak_bytes"] = getattr(e, "measured_peak_bytes", None)
       rows.append(row)
       continue
-    m = jaxremat.measure(plan.compiled, *args, runs=0)
-    timed.append(plan.compiled)
+    m = plan.measurement
+    if target.local:
+      timed.append(plan.compiled)
     row.update(_figures(m, base, budgets_bytes))
     row.update(agreement(plan.compiled(*args), reference))
     stats = plan.schedule.stats
@@ -172,7 +199,7 @@ def run_example(name: str, budgets, time_limit_s: float, runs: int, small: bool)
       best_solver=stats.get("best_solver"),
       status=stats.get("status"),
       n_plans=len(plan.attempts),
-      predicted_peak_bytes=stats["peak_bytes"],
+      predicted_peak_bytes=stats["optimize"]["predicted_peak_bytes"],
       jaxremat_baseline_peak_bytes=plan.baseline_peak_bytes,
       jaxremat_measured_peak_bytes=plan.measured_peak_bytes,
       jaxremat_reports_met=plan.measured_peak_bytes <= plan.budget_bytes,
@@ -180,9 +207,10 @@ def run_example(name: str, budgets, time_limit_s: float, runs: int, small: bool)
       n_recompute=stats.get("n_recompute"),
     )
     rows.append(row)
-  times_s = interleaved_times_s(timed, args, runs)
-  for row, t in zip([r for r in rows if "error" not in r], times_s, strict=True):
-    row.update(wall_time_s=t, time_ratio=t / times_s[0])
+  if target.local:
+    times_s = interleaved_times_s(timed, args, runs)
+    for row, t in zip([r for r in rows if "error" not in r], times_s, strict=True):
+      row.update(wall_time_s=t, time_ratio=t / times_s[0])
   for row in rows:
     _print_row(row)
   return rows
@@ -191,14 +219,24 @@ def run_example(name: str, budgets, time_limit_s: float, runs: int, small: bool)
 def _print_row(row: dict) -> None:
   label = row["method"] + (f" @{row['budget']}" if "budget" in row else "")
   if "error" in row:
-    print(f"{row['example']:10} {label:34} {row['error'][:110]}", flush=True)
+    print(f"{row['example']:10} {label:42} {row['error'][:110]}", flush=True)
     return
   meets = " ".join(f"{b}:{'y' if ok else 'n'}" for b, ok in row["meets"].items())
+  predicted = (
+    f" (predicted {row['predicted_peak_bytes'] / 2**20:.2f})"
+    if "predicted_peak_bytes" in row
+    else ""
+  )
+  time_ratio = f"  time x{row['time_ratio']:.2f}" if "time_ratio" in row else ""
+  errors = (
+    f"  loss err {row['loss_rel_error']:.1e} grad err {row['grad_rel_norm_error']:.1e}"
+    if "loss_rel_error" in row
+    else ""
+  )
   print(
-    f"{row['example']:10} {label:34} {row['xla_peak_bytes'] / 2**20:9.2f} MiB "
-    f"x{row['peak_ratio']:.3f}  FLOPs x{row['flops_ratio']:.3f}  time x{row['time_ratio']:.2f}  "
-    f"meets {meets}  loss err {row['loss_rel_error']:.1e} grad err "
-    f"{row['grad_rel_norm_error']:.1e}",
+    f"{row['example']:10} {label:42} {row['xla_peak_bytes'] / 2**20:9.2f} MiB{predicted} "
+    f"x{row['peak_ratio']:.3f}  FLOPs x{row['flops_ratio']:.3f}{time_ratio}  meets {meets}"
+    f"{errors}",
     flush=True,
   )
 
@@ -307,20 +345,15 @@ def _write_csv(path: pathlib.Path, rows: list[dict]) -> None:
     )
 
 
-def plot(rows: list[dict], budgets, tag: str) -> None:
+def plot(rows: list[dict], budgets, tag: str, target: jaxremat.Target) -> None:
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   names = list(dict.fromkeys(r["example"] for r in rows))
-  markers = dict(
-    zip(
-      ("no remat", *(f"jax.checkpoint {v}" for v in _common.CHECKPOINT_VARIANTS)),
-      "os^vD",
-      strict=True,
-    )
-  )
+  methods = ("no remat", *(f"jax.checkpoint {v}" for v in variants_for(target)))
+  markers = dict(zip(methods, "os^vDPXh", strict=False))
   cols = min(3, len(names))
   fig, axes = plt.subplots(
     -(-len(names) // cols), cols, figsize=(5 * cols, 4 * -(-len(names) // cols)), squeeze=False
@@ -336,15 +369,20 @@ def plot(rows: list[dict], budgets, tag: str) -> None:
     for b in budgets:
       ax.axhline(b, color="gray", ls="--", lw=0.8)
     ax.set_title(name)
-    ax.set_xlabel("FLOPs / no remat (XLA cost_analysis)")
-    ax.set_ylabel("peak / no remat (XLA memory_analysis)")
+    ax.set_xlabel("FLOPs / no remat (cost_analysis)")
+    ax.set_ylabel("peak / no remat (memory_analysis)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
   for ax in list(axes.flat)[len(names) :]:
     ax.set_visible(False)
-  fig.suptitle("Training steps on XLA:CPU: peak against FLOPs (dashed: budgets)")
+  fig.suptitle(
+    f"Training steps compiled for {target.name} ({target.device_kind}): peak against FLOPs "
+    "as its compiler reports them (dashed: budgets)"
+  )
   fig.tight_layout()
   fig.savefig(RESULTS / f"{tag}.png", dpi=110)
+  if not target.local:
+    return  # no wall times
 
   fig, ax = plt.subplots(figsize=(max(8, 2 * len(names)), 4))
   methods = list(
@@ -386,7 +424,12 @@ def main(argv: list[str] | None = None) -> None:
     "--rerun-solvers", action="store_true", help="rerun the solver benchmarks' parts first"
   )
   parser.add_argument("--auto-time-limit", type=float, default=60.0, help="with --rerun-solvers")
+  parser.add_argument(
+    "--target", help="compile for this device (jaxremat.get_target, e.g. tpu-v5e, h100)"
+  )
   args = parser.parse_args(argv)
+  # Before any array exists: a GPU target may need JAX started a particular way.
+  target = jaxremat.get_target(args.target)
   names = (
     args.examples.split(",")
     if args.examples
@@ -404,24 +447,29 @@ def main(argv: list[str] | None = None) -> None:
   RESULTS.mkdir(parents=True, exist_ok=True)
   # A run over chosen examples is saved beside the full one, not over it.
   tag = "e2e_quick" if args.quick else f"e2e_{'_'.join(names)}" if args.examples else "e2e"
+  if args.target:
+    tag += f"_{target.name}"
 
   start, loads = time.perf_counter(), [os.getloadavg()[0]]
   if args.rerun_solvers:
     rerun_solvers(args.quick, args.auto_time_limit)
-  solver_rows = solver_table()
-  _write_csv(RESULTS / "e2e_solvers.csv", solver_rows)
-  print_solver_table(solver_rows)
+  solver_rows = [] if args.target else solver_table()  # the graphs have no target
+  if solver_rows:
+    _write_csv(RESULTS / "e2e_solvers.csv", solver_rows)
+    print_solver_table(solver_rows)
 
   rows: list[dict] = []
   for name in names:
-    rows += run_example(name, budgets, time_limit_s, runs, args.small)
+    rows += run_example(name, budgets, time_limit_s, runs, args.small, target)
     loads.append(os.getloadavg()[0])
     # Saved after every example, so that an interrupted run keeps what it measured.
     unmet = [r for r in rows if r.get("jaxremat_reports_met") and not r.get("xla_met")]
     meta = {
       "command": "python -m benchmarks.e2e " + " ".join(sys.argv[1:] if argv is None else argv),
-      "backend": jax.default_backend(),
-      "device": jax.devices()[0].device_kind,
+      "target": target.name,
+      "backend": target.platform,
+      "device": target.device_kind,
+      "deviceless": not target.local,
       "jax": jax.__version__,
       "budgets": budgets,
       "time_limit_s": time_limit_s,
@@ -436,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
       json.dumps({"meta": meta, "rows": rows, "solvers": solver_rows}, indent=1, default=str)
     )
     _write_csv(RESULTS / f"{tag}.csv", rows)
-    plot(rows, budgets, tag)
+    plot(rows, budgets, tag, target)
   for line in meta["checkpoint_wins"]:
     print(f"jax.checkpoint does better: {line}")
   for r in unmet:

@@ -19,11 +19,23 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from jax.ad_checkpoint import checkpoint_name
 
-# The jax.checkpoint variants of a loss: two policies over the whole loss, one
+# The jax.checkpoint variants of a loss: three policies over the whole loss, one
 # checkpoint per block, and segments of about sqrt(n) blocks (Chen et al. 2016).
-CHECKPOINT_VARIANTS = ("nothing_saveable", "dots_saveable", "per_block", "sqrt_n")
-_BLOCK_VARIANTS = ("per_block", "sqrt_n")
+CHECKPOINT_VARIANTS = (
+  "nothing_saveable",
+  "dots_saveable",
+  "dots_with_no_batch_dims_saveable",
+  "per_block",
+  "sqrt_n",
+)
+# Where the device has a host memory space to offload to (TPU, GPU): the blocks under one
+# jax.checkpoint whose policy offloads each block's output to pinned host memory and
+# recomputes the rest in the backward pass.
+OFFLOAD_VARIANT = "offload_blocks"
+_BLOCK_VARIANTS = ("per_block", "sqrt_n", OFFLOAD_VARIANT)
+_BLOCK_OUTPUT = "block_output"
 _DN = ("NHWC", "HWIO", "NHWC")
 
 
@@ -57,7 +69,9 @@ def run_blocks(
     blocks: the model's repeated part.
     x: the state carried from block to block (an array or a pytree).
     checkpoint: None runs the blocks as they are; ``"per_block"`` wraps each block in
-      `jax.checkpoint`; ``"sqrt_n"`` wraps runs of ``round(sqrt(n))`` consecutive blocks.
+      `jax.checkpoint`; ``"sqrt_n"`` wraps runs of ``round(sqrt(n))`` consecutive blocks;
+      ``"offload_blocks"`` runs them all under one `jax.checkpoint` that offloads each
+      block's output to pinned host memory (``save_and_offload_only_these_names``).
 
   Returns:
     The state after the last block.
@@ -74,6 +88,21 @@ def run_blocks(
     raise ValueError(
       f"checkpoint={checkpoint!r} is not a block variant; use None or one of {_BLOCK_VARIANTS}."
     )
+  if checkpoint == OFFLOAD_VARIANT:
+    fns, ps = zip(*blocks, strict=True)
+
+    def offloaded(ps, x):
+      for fn, p in zip(fns, ps, strict=True):
+        x = checkpoint_name(fn(p, x), _BLOCK_OUTPUT)
+      return x
+
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=(),
+      names_which_can_be_offloaded=(_BLOCK_OUTPUT,),
+      offload_src="device",
+      offload_dst="pinned_host",
+    )
+    return jax.checkpoint(offloaded, policy=policy)(ps, x)
   size = 1 if checkpoint == "per_block" else max(1, round(math.sqrt(len(blocks))))
   for start in range(0, len(blocks), size):
     fns, ps = zip(*blocks[start : start + size], strict=True)
@@ -93,11 +122,11 @@ def checkpointed_loss(module, variant: str | None) -> Callable:
     return module.loss
   if variant in _BLOCK_VARIANTS:
     return functools.partial(module.loss, checkpoint=variant)
-  if variant in CHECKPOINT_VARIANTS:
+  if variant in CHECKPOINT_VARIANTS:  # a policy over the whole loss
     return jax.checkpoint(module.loss, policy=getattr(jax.checkpoint_policies, variant))
   raise ValueError(
     f"variant={variant!r} is not a jax.checkpoint variant; use None or one of "
-    f"{CHECKPOINT_VARIANTS}."
+    f"{(*CHECKPOINT_VARIANTS, OFFLOAD_VARIANT)}."
   )
 
 

@@ -131,3 +131,33 @@ def test_analyze_bad_input_is_one_clear_line(tmp_path, content, words):
   code, out, err = run("analyze", bad)
   assert code == 1 and words in err and str(bad) in err
   assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_analyze_takes_a_target_only_for_jaxpr_text(tmp_path):
+  graph = tmp_path / "g.json"
+  graph.write_text(
+    json.dumps(
+      {
+        "format": "jaxremat.graph/1",
+        "name": "g",
+        "nodes": [{"id": 0, "mem": 4, "cost": 0}, {"id": 1, "mem": 4, "cost": 1}],
+        "edges": [[0, 1]],
+        "inputs": [0],
+        "outputs": [1],
+      }
+    )
+  )
+  code, out, err = run("analyze", graph, "--target", "tpu-v5e")
+  assert code == 2 and out == ""
+  assert "--target tpu-v5e applies to jaxpr text" in err and "save_graph" in err
+  code, out, _ = run("analyze", graph, "--budget", "100%")
+  assert code == 0 and "model: as given in the graph file" in out
+
+
+def test_targets_lists_each_target_with_its_facts_measured():
+  code, out, err = run("targets", "cpu", "tpu-v5e")
+  assert code == 0, err
+  cpu = next(line for line in out.splitlines() if line.startswith("cpu "))
+  assert "select" in cpu and cpu.count("no (measured no)") == 2
+  tpu = next(line for line in out.splitlines() if line.startswith("tpu-v5e "))
+  assert "yes (measured yes)" in tpu or 'pip install -e ".[tpu-aot]"' in tpu

@@ -37,11 +37,18 @@ class Row:
   note: str = ""
 
 
-def load_graph(path: str | os.PathLike) -> RematGraph:
+def load_graph(path: str | os.PathLike, target: str | None = None) -> RematGraph:
   """Reads a `jaxremat.graph/1` file or a jaxpr printed by ``print(jax.make_jaxpr(f)(*a))``.
+
+  Args:
+    path: the file.
+    target: for jaxpr text, the device whose compiler groups and costs the equations
+      (`jaxremat.get_target`; None: shape costs, this machine's fusion facts). A graph
+      file already has its sizes and costs, so it takes no target.
 
   Raises:
     FormatError: naming the file and what is wrong with it.
+    ValueError: a target given with a graph file.
   """
   source = os.fspath(path)
   text = read_text(path, expected="a graph JSON or jaxpr text")
@@ -50,8 +57,32 @@ def load_graph(path: str | os.PathLike) -> RematGraph:
     from jaxremat._src.trace import graph_from_jaxpr_text  # JAX loads only for jaxpr text
 
     name = os.path.splitext(os.path.basename(source))[0]
-    return graph_from_jaxpr_text(text, source=source, name=name)
-  return RematGraph.from_dict(parse_json(text, source), source=source)
+    return graph_from_jaxpr_text(text, source=source, name=name, target=target)
+  graph = RematGraph.from_dict(parse_json(text, source), source=source)
+  if target is not None:
+    traced_for = graph.meta.get("target") or graph.meta.get("backend") or "an unrecorded device"
+    raise ValueError(
+      f"--target {target} applies to jaxpr text; {source} is a graph file whose sizes and "
+      f"costs are already fixed (for {traced_for}). Save the graph again with "
+      f"jaxremat.save_graph(fn, *args, path=..., target={target!r}), or pass the jaxpr text."
+    )
+  return graph
+
+
+def model_description(graph: RematGraph) -> str:
+  """Which memory and cost model made ``graph``, in one line for people."""
+  meta = graph.meta
+  if meta.get("source") != "jaxremat.trace":
+    return f"model: as given in the graph file (source {meta.get('source', 'unrecorded')!r})"
+  device = meta.get("target") or meta.get("backend", "?")
+  roofline = meta.get("roofline") or {}
+  costs = {
+    "shape": "shape estimates",
+    "xla": f"{device}'s compiler cost analysis, seconds from "
+    f"{roofline.get('source', 'measured')} peak rates",
+    "measured": "equations timed on the device",
+  }.get(meta.get("costs"), str(meta.get("costs")))
+  return f"model: sizes from the jaxpr grouped by {device}'s fusion facts; costs: {costs}"
 
 
 def tradeoff(
@@ -100,6 +131,7 @@ def format_table(graph: RematGraph, rows: Sequence[Row]) -> str:
     f"graph {graph.name}: {graph.n} nodes, {len(graph.edges)} edges, "
     f"baseline peak {base.peak_bytes} bytes, duration {base.duration:.6g}; "
     f"no schedule peaks below {graph.min_feasible_bytes} bytes",
+    model_description(graph),
     "",
     f"{'budget':>7} {'bytes':>14} {'solver':>12} {'status':>10} {'peak':>14} {'TDI %':>8} {'time s':>7}",
   ]

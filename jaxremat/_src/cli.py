@@ -82,10 +82,24 @@ def _cmd_demo(args) -> int:
   return EXIT_OK
 
 
+def _cmd_targets(args) -> int:
+  from jaxremat._src.targets import facts_report
+
+  table, all_match = facts_report(args.target or None)
+  print(table)
+  if not all_match:
+    print(
+      "jaxremat targets: a measured fact differs from jaxremat._src.backends; correct the "
+      "facts there, citing this measurement.",
+      file=sys.stderr,
+    )
+  return EXIT_OK if all_match else EXIT_INVALID
+
+
 def _cmd_analyze(args) -> int:
   from jaxremat._src import analyze
 
-  graph = analyze.load_graph(args.file)
+  graph = analyze.load_graph(args.file, target=args.target)
   rows, schedules = analyze.tradeoff(
     graph,
     args.budget or analyze.DEFAULT_BUDGETS,
@@ -178,6 +192,13 @@ def _parser() -> _Parser:
   )
   p.add_argument("--plot", help="write a PNG: memory timeline and overhead against budget")
   p.add_argument("--json", help="write the table as JSON")
+  p.add_argument(
+    "--target",
+    default=None,
+    help="for jaxpr text: group and cost the equations with this device's compiler "
+    "(cpu, tpu-v5e, tpu-v4, tpu-v6e, h100, a100; extras tpu-aot / gpu-aot); default: "
+    "shape costs",
+  )
   p.set_defaults(run=_cmd_analyze)
 
   p = sub.add_parser("demo", help="optimize a bundled training step and print the report")
@@ -196,6 +217,13 @@ def _parser() -> _Parser:
     "(extras tpu-aot / gpu-aot); default: this machine's backend",
   )
   p.set_defaults(run=_cmd_demo)
+
+  p = sub.add_parser(
+    "targets",
+    help="the devices jaxremat compiles for here, with their compiler facts measured",
+  )
+  p.add_argument("target", nargs="*", help="targets to check (default: all named ones)")
+  p.set_defaults(run=_cmd_targets)
   return parser
 
 

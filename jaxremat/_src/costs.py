@@ -1,9 +1,11 @@
-"""Per-equation costs from XLA's own cost analysis, cached by equation signature.
+"""Per-equation costs from the target compiler's own cost analysis, cached by signature.
 
 Each distinct equation signature (primitive, params, input avals, backend) is compiled
-alone once; its ``cost_analysis()`` flops and bytes accessed become seconds through a
-roofline whose peak rates a micro-benchmark measures once per machine
-(ARCHITECTURE.md fact 4). Results live in memory and in a versioned JSON file under
+alone once, for the target (deviceless where this machine lacks its devices); its cost
+analysis' flops and bytes accessed become seconds through a roofline. This machine's
+roofline is measured once by a micro-benchmark (ARCHITECTURE.md fact 4); a deviceless
+target's is its published peak rates (`jaxremat._src.targets.Target.peak_rates`).
+Results live in memory and in a versioned JSON file per target under
 ``$JAXREMAT_CACHE_DIR`` (default ``~/.cache/jaxremat``). Equations XLA cannot compile
 alone get a shape-based estimate, and say so (``source="shape"``).
 """
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 from jaxremat._src import compat
 from jaxremat._src.errors import FormatError
 from jaxremat._src.graph import read_json, write_json_atomic
+from jaxremat._src.targets import Target, compile_for, get_target
 
 CACHE_FORMAT = "jaxremat.costs/1"
 ROOFLINE_FORMAT = "jaxremat.roofline/1"
@@ -51,12 +54,16 @@ class EqnCost:
 
 @dataclasses.dataclass(frozen=True)
 class Roofline:
-  """Peak rates of this machine's default device, measured by `measure_roofline`."""
+  """Peak rates of a device: measured here (`measure_roofline`) or published (deviceless).
+
+  ``source`` is ``"measured"`` or ``"published"``.
+  """
 
   flops_per_s: float
   bytes_per_s: float
   backend: str
   device_kind: str
+  source: str = "measured"
 
   def seconds(self, flops: float, bytes_accessed: float) -> float:
     return max(flops / self.flops_per_s, bytes_accessed / self.bytes_per_s)
@@ -74,7 +81,10 @@ def cache_dir(path: str | os.PathLike | None = None) -> str:
 # -- roofline --------------------------------------------------------------------------------
 
 
-def _device_tag() -> tuple[str, str]:
+def _device_tag(target: Target | None = None) -> tuple[str, str]:
+  """(backend, file-name-safe device tag): this machine's device, or a deviceless target's."""
+  if target is not None and not target.local:
+    return target.platform, re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{target.device_kind}-deviceless")
   dev = jax.devices()[0]
   kind = f"{dev.device_kind}-{os.cpu_count()}cpu" if dev.platform == "cpu" else dev.device_kind
   return jax.default_backend(), re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{kind}-{platform.node()}")
@@ -106,10 +116,20 @@ def measure_roofline() -> Roofline:
 _ROOFLINES: dict[tuple[str, str], Roofline] = {}
 
 
-def roofline(directory: str | os.PathLike | None = None) -> Roofline:
-  """This machine's roofline, measured once and kept on disk beside the cost cache."""
-  tag = _device_tag()
+def roofline(directory: str | os.PathLike | None = None, target: Target | None = None) -> Roofline:
+  """The roofline of ``target``'s device (None: this machine's).
+
+  Measured once per machine and kept on disk beside the cost cache; a target without
+  devices here has its published peak rates.
+  """
+  tag = _device_tag(target)
   if tag in _ROOFLINES:
+    return _ROOFLINES[tag]
+  if target is not None and not target.local:
+    flops_per_s, bytes_per_s = target.peak_rates()
+    _ROOFLINES[tag] = Roofline(
+      flops_per_s, bytes_per_s, target.platform, target.device_kind, source="published"
+    )
     return _ROOFLINES[tag]
   path = os.path.join(cache_dir(directory), f"roofline-{tag[0]}-{tag[1]}.json")
   try:
@@ -134,12 +154,19 @@ def roofline(directory: str | os.PathLike | None = None) -> Roofline:
   return result
 
 
-def roofline_meta(mode: str, directory: str | os.PathLike | None = None) -> dict[str, Any] | None:
+def roofline_meta(
+  mode: str, directory: str | os.PathLike | None = None, target: Target | None = None
+) -> dict[str, Any] | None:
   """The roofline as graph metadata (None in shape mode, which measures nothing)."""
   if mode == "shape":
     return None
-  r = roofline(directory)
-  return {"flops_per_s": r.flops_per_s, "bytes_per_s": r.bytes_per_s, "device_kind": r.device_kind}
+  r = roofline(directory, target)
+  return {
+    "flops_per_s": r.flops_per_s,
+    "bytes_per_s": r.bytes_per_s,
+    "device_kind": r.device_kind,
+    "source": r.source,
+  }
 
 
 # -- shape-based estimates ---------------------------------------------------------------------
@@ -192,7 +219,7 @@ def signature(eqn: Any, backend: str) -> str:
   return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _compile_alone(eqn: Any):
+def _compile_alone(eqn: Any, target: Target | None):
   params = compat.bind_params(eqn)
   literals = {i: v.val for i, v in enumerate(eqn.invars) if isinstance(v, compat.Literal)}
   specs = [
@@ -206,6 +233,8 @@ def _compile_alone(eqn: Any):
     args = [literals[i] if i in literals else next(it) for i in range(len(eqn.invars))]
     return eqn.primitive.bind(*args, **params)
 
+  if target is not None and not target.local:
+    return compile_for(target, run, *specs), specs
   return jax.jit(run).lower(*specs).compile(), specs
 
 
@@ -222,8 +251,8 @@ def _measure_seconds(compiled: Any, specs: Sequence[jax.ShapeDtypeStruct]) -> fl
 class CostCache:
   """In-memory and on-disk store of per-signature costs for one backend and device."""
 
-  def __init__(self, directory: str | os.PathLike | None = None):
-    backend, kind = _device_tag()
+  def __init__(self, directory: str | os.PathLike | None = None, target: Target | None = None):
+    backend, kind = _device_tag(target)
     self.path = os.path.join(cache_dir(directory), f"costs-{backend}-{kind}.json")
     self.entries: dict[str, list[Any]] = {}
     self.dirty = False
@@ -255,13 +284,13 @@ class CostCache:
     self.dirty = False
 
 
-_CACHES: dict[str, CostCache] = {}
+_CACHES: dict[tuple[str, tuple[str, str]], CostCache] = {}
 
 
-def _cache(directory: str | os.PathLike | None) -> CostCache:
-  key = cache_dir(directory)
+def _cache(directory: str | os.PathLike | None, target: Target | None) -> CostCache:
+  key = (cache_dir(directory), _device_tag(target))
   if key not in _CACHES:
-    _CACHES[key] = CostCache(directory)
+    _CACHES[key] = CostCache(directory, target)
   return _CACHES[key]
 
 
@@ -277,24 +306,41 @@ def equation_costs(
   mode: str = "xla",
   cache_dir: str | os.PathLike | None = None,
   time_limit_s: float | None = None,
+  target: str | Target | None = None,
 ) -> list[EqnCost]:
-  """The cost of each equation.
+  """The cost of each equation on ``target``'s device.
 
   Args:
     eqns: jaxpr equations.
-    mode: ``"xla"`` (cost analysis + roofline), ``"measured"`` (timed on the device)
-      or ``"shape"`` (shape estimates, nothing compiled).
+    mode: ``"xla"`` (the target compiler's cost analysis + roofline), ``"measured"``
+      (timed on this machine's device) or ``"shape"`` (shape estimates, nothing compiled).
     cache_dir: the cost cache directory.
     time_limit_s: seconds for compiling equations that are not in the cache yet; the
       ones left after it get shape estimates (not cached, so a later call costs them).
+    target: the device (`jaxremat.get_target`; None: this machine's). Without its
+      devices here, each equation is compiled deviceless and the roofline is the
+      target's published peak rates.
 
   Returns:
     One `EqnCost` per equation.
+
+  Raises:
+    ValueError: ``mode="measured"`` for a target without devices on this machine.
   """
   if mode == "shape":
     return [_shape_cost(e, None) for e in eqns]
-  roof = roofline(cache_dir)
-  cache = _cache(cache_dir)
+  target = get_target(target)
+  if target.local:
+    target = None  # this machine's device: the measured roofline and jax.jit's compiler
+  elif mode == "measured":
+    raise ValueError(
+      f"costs='measured' times equations on the device, and target {target.name!r} has "
+      "none on this machine: use costs='xla' (its compiler's cost analysis) instead."
+    )
+  else:
+    target.devices()  # a compiler that cannot start fails here, not as shape estimates
+  roof = roofline(cache_dir, target)
+  cache = _cache(cache_dir, target)
   backend = roof.backend
   deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
   out = []
@@ -308,7 +354,7 @@ def equation_costs(
       out.append(_shape_cost(eqn, roof))
       continue
     if entry is None:
-      entry = _analyze(eqn, mode)
+      entry = _analyze(eqn, mode, target)
       cache.entries[key] = entry
       cache.dirty = True
     flops, bytes_accessed, measured_s = entry
@@ -322,11 +368,11 @@ def equation_costs(
   return out
 
 
-def _analyze(eqn: Any, mode: str) -> list[Any]:
+def _analyze(eqn: Any, mode: str, target: Target | None) -> list[Any]:
   """``[flops, bytes_accessed, measured_s]``; ``[None, None, None]`` if it won't compile."""
   try:
-    compiled, specs = _compile_alone(eqn)
-    costs = compat.cost_analysis_dict(compiled)
+    compiled, specs = _compile_alone(eqn, target)
+    costs = compat.hlo_cost_analysis(compiled)
     flops = float(costs.get("flops", 0.0)) + float(costs.get("transcendentals", 0.0))
     bytes_accessed = float(costs.get("bytes accessed", 0.0))
     measured = _measure_seconds(compiled, specs) if mode == "measured" else None

@@ -387,11 +387,19 @@ _PARAM_TYPES = ("ConvDimensionNumbers", "GatherDimensionNumbers", "ScatterDimens
 
 
 def _param_value(raw: str) -> Any:
-  """A parameter's Python value where the text determines it, else the text itself."""
+  """A parameter's Python value where the text determines it, else the text itself.
+
+  Sequences become tuples and dtype names dtypes, as equations hold them (JAX requires
+  hashable parameters to bind them again).
+  """
   try:
-    return ast.literal_eval(raw)
+    return _as_bound(ast.literal_eval(raw))
   except (ValueError, SyntaxError, MemoryError, RecursionError):
     pass
+  if raw in _DTYPE_NAMES:
+    import jax.numpy as jnp  # knows bfloat16
+
+    return jnp.dtype(raw)
   try:
     call = ast.parse(raw, mode="eval").body
   except SyntaxError:
@@ -409,12 +417,44 @@ def _param_value(raw: str) -> Any:
   return raw
 
 
+_DTYPE_NAMES = frozenset(
+  {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+  | {"float16", "bfloat16", "float32", "float64", "complex64", "complex128"}
+)
+
+
+def _as_bound(value: Any) -> Any:
+  if isinstance(value, (list, tuple)):
+    return tuple(_as_bound(v) for v in value)
+  return value
+
+
 def _literal_value(lit: TextLiteral) -> Any:
   text = lit.val
   value = {"True": True, "False": False}.get(text, None)
   if value is None:
     value = float(text) if any(c in text for c in ".eni") else int(text)
   return np.asarray(value, dtype=lit.aval.dtype)
+
+
+_MISSING_PARAMS = re.compile(r"missing \d+ required keyword-only arguments?: (.*)")
+
+
+def _with_omitted_params(prim: Any, params: dict[str, Any], avals: list[Any]) -> dict[str, Any]:
+  """``params`` with those the printer left out for being None (``precision``,
+  ``out_sharding``, ...) set back to None, so that the equation binds again."""
+  for _ in range(4):
+    try:
+      prim.abstract_eval(*avals, **params)
+      return params
+    except TypeError as e:
+      missing = _MISSING_PARAMS.search(str(e))
+      if not missing:
+        return params
+      params = {**params, **dict.fromkeys(re.findall(r"'(\w+)'", missing.group(1)))}
+    except Exception:  # noqa: BLE001 - a stand-in primitive, or params the text garbled
+      return params
+  return params
 
 
 def to_closed_jaxpr(jaxpr: TextJaxpr) -> Any:
@@ -446,7 +486,9 @@ def to_closed_jaxpr(jaxpr: TextJaxpr) -> Any:
         closed = tuple(convert(sub, []) for sub in subs)
         params[key] = closed if key == "branches" else closed[0]
       prim = compat.primitive_by_name(e.primitive.name, len(e.outvars) > 1)
-      spec.append(([atom(x) for x in e.invars], [var(o) for o in e.outvars], prim, params))
+      invars = [atom(x) for x in e.invars]
+      params = _with_omitted_params(prim, params, [x.aval for x in invars])
+      spec.append((invars, [var(o) for o in e.outvars], prim, params))
     return compat.new_closed_jaxpr(
       [var(v) for v in j.constvars],
       [var(v) for v in j.invars],

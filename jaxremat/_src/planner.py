@@ -30,6 +30,7 @@ from jaxremat._src.errors import (
   UnsupportedError,
   VerificationError,
 )
+from jaxremat._src.graph import RematGraph
 from jaxremat._src.measure import Measurement, measure
 from jaxremat._src.minimize import minimize_peak
 from jaxremat._src.plan_cache import PlanCache, fingerprint
@@ -39,7 +40,7 @@ from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import Progress, get_solver
 from jaxremat._src.targets import Target, get_target
-from jaxremat._src.trace import Program, trace_program
+from jaxremat._src.trace import Program, trace_program, xla_accounted_peak_bytes
 from jaxremat._src.verify import (
   Verification,
   choose_verification_device,
@@ -115,6 +116,8 @@ class Plan:
     target: the device whose compiler measured the plan.
     plan_time_s: seconds from the first call to a compiled, verified step.
     compile_time_s: of those, the seconds XLA spent compiling the optimized step(s).
+    measurement: the target compiler's figures of the optimized step (`jaxremat.measure`:
+      peak, FLOPs, optimized HLO).
     compiled: the optimized step.
   """
 
@@ -130,6 +133,7 @@ class Plan:
   target: Target
   plan_time_s: float
   compile_time_s: float
+  measurement: Measurement = dataclasses.field(repr=False, compare=False)
   compiled: CompiledStep = dataclasses.field(repr=False, compare=False)
 
 
@@ -253,6 +257,11 @@ def make_plan(
       "optimize": {
         "budget_bytes": budget_bytes,
         "baseline_peak_bytes": baseline.peak_bytes,
+        # The model's peaks as XLA counts them (output buffers held from the start).
+        "predicted_peak_bytes": best.attempt.predicted_peak_bytes,
+        "predicted_baseline_peak_bytes": loop.predicted_peak_bytes(
+          baseline_schedule(program.graph)
+        ),
         "attempts": [dataclasses.asdict(t.attempt) for t in loop.tried],
       },
     }
@@ -270,6 +279,7 @@ def make_plan(
     target=opts.target,
     plan_time_s=deadline.elapsed_s(),
     compile_time_s=sum(t.compiled.compile_time_s for t in loop.tried),
+    measurement=best.compiled.measurement,
     compiled=best.compiled.step,
   )
   if not met:
@@ -324,12 +334,39 @@ class _Tried:
   kept: bool  # XLA kept every planned expensive recomputation
 
 
+def as_xla_allocates(graph: RematGraph, alias_bytes: int) -> tuple[RematGraph, int]:
+  """``graph`` for the solvers, with XLA's allocation of the step's outputs, and the bytes
+  held back from the budget for them.
+
+  XLA gives the step's outputs (and the buffers `trace` marks ``allocated_at_start``)
+  their own buffers for the whole program: its peak charges them from the start, before
+  the plan computes them (`trace.xla_accounted_peak_bytes`). In the returned graph those
+  nodes cost nothing when computed; their bytes, less what XLA aliases to donated
+  arguments, are the second result. A plan within ``budget - held`` there is within
+  ``budget`` as XLA counts it, but for scratch and constants. Same nodes and edges: a
+  schedule of one is a schedule of the other.
+  """
+  held = {v for v in graph.outputs if not graph.is_input[v]}
+  held |= {v for v in graph.order if graph.nodes[v].attrs.get("allocated_at_start")}
+  nodes = tuple(dataclasses.replace(n, mem=0) if n.id in held else n for n in graph.nodes)
+  reserved = max(0, sum(graph.mem[v] for v in held) - alias_bytes)
+  return dataclasses.replace(graph, nodes=nodes), reserved
+
+
 class _Loop:
   """Plans tried for one signature: at most ``1 + max_replans`` solved plans compiled,
   within the deadline."""
 
   def __init__(self, program, signature, budget_bytes, opts: PlanOptions, deadline, baseline):
     self.program = program
+    self.solver_graph, self.reserved_bytes = as_xla_allocates(program.graph, baseline.alias_bytes)
+    # What the compiler holds beyond the model on the original step (layout padding,
+    # buffers the model does not see), taken to hold for plans of it too: the first plan
+    # is made that far below the budget.
+    self.alias_bytes = baseline.alias_bytes
+    self.baseline_gap_bytes = baseline.peak_bytes - self.predicted_peak_bytes(
+      baseline_schedule(program.graph)
+    )
     self.signature = signature
     self.budget_bytes = budget_bytes
     self.opts = opts
@@ -344,6 +381,10 @@ class _Loop:
   @property
   def met(self) -> bool:
     return any(t.met for t in self.tried)
+
+  def predicted_peak_bytes(self, schedule: Schedule) -> int:
+    """The model's peak of ``schedule`` as XLA counts it."""
+    return xla_accounted_peak_bytes(self.program.graph, schedule, self.alias_bytes)
 
   def solves_left(self) -> int:
     return 1 + self.opts.max_replans - sum(t.attempt.origin == "solve" for t in self.tried)
@@ -360,8 +401,10 @@ class _Loop:
     met = kept and compiled.peak_bytes <= self.budget_bytes
     attempt = Attempt(
       schedule.solver,
-      int(schedule.budget if schedule.budget is not None else self.budget_bytes),
-      int(schedule.stats.get("peak_bytes", 0)),
+      int(schedule.budget + self.reserved_bytes)
+      if schedule.budget is not None
+      else self.budget_bytes,
+      self.predicted_peak_bytes(schedule),
       compiled.peak_bytes,
       origin,
     )
@@ -384,13 +427,14 @@ class _Loop:
   def run(self, solver: str) -> None:
     """Solves with ``solver`` and compiles; while XLA measures over budget, plans tighter.
 
-    Each round plans below the last plan's own peak by what XLA measured beyond the
-    budget (`next_planning_budget`). When the model proves the planning budget
+    The first round plans below the budget by what XLA measured beyond the model on the
+    original step; each next one below the last plan's own peak by what XLA measured
+    beyond the budget (`next_planning_budget`). When the model proves the planning budget
     infeasible, or the solver finds nothing, the least-peak plan the model reaches is
     tried once: XLA may hold less than the model.
     """
-    graph = self.program.graph
-    planning = self.budget_bytes
+    graph, reserved = self.solver_graph, self.reserved_bytes
+    planning = self.budget_bytes - self.baseline_gap_bytes
     while not self.met and self.solves_left() > 0:
       limit_s = self.solve_time_s()
       if limit_s < 0.1 and self.tried:
@@ -398,10 +442,10 @@ class _Loop:
       try:
         # Far over the budget in XLA, the next planning budget may fall below anything
         # the model can reach, even below zero.
-        graph.require_feasible(planning)
+        graph.require_feasible(planning - reserved)
         schedule = solve(
           graph,
-          planning,
+          planning - reserved,
           solver=solver,
           time_limit=max(limit_s, 0.1),
           progress=_progress_printer(self.opts.progress),

@@ -33,6 +33,9 @@ class Report:
 
   def __str__(self) -> str:
     p, s = self.plan, self.plan.schedule.stats
+    model = s.get("optimize", {})
+    predicted = model.get("predicted_peak_bytes", s["peak_bytes"])
+    predicted_baseline = model.get("predicted_baseline_peak_bytes", s["baseline_peak_bytes"])
     mib = 2.0**20
     orig, opt = self.original, self.optimized
     met = "met" if opt.peak_bytes <= p.budget_bytes else "NOT met"
@@ -44,9 +47,9 @@ class Report:
       ("", "original", "optimized", "ratio"),
       (
         "peak, model",
-        f"{s['baseline_peak_bytes'] / mib:.1f} MiB",
-        f"{s['peak_bytes'] / mib:.1f} MiB",
-        ratio(s["peak_bytes"], s["baseline_peak_bytes"]),
+        f"{predicted_baseline / mib:.1f} MiB",
+        f"{predicted / mib:.1f} MiB",
+        ratio(predicted, predicted_baseline),
       ),
       (
         "peak, XLA",

@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
+import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxremat._src import compat
@@ -138,6 +142,22 @@ dnn_version_info {
 device_description_str: "NVIDIA A100-SXM4-80GB"
 """
 
+# Published peak rates per device kind, (flop/s, byte/s of device memory), for the roofline
+# that turns a deviceless target's cost analysis into seconds. The flop rate is the
+# matrix unit's at the precision XLA uses for float32 dots by default: bfloat16 passes on
+# TPU (jax_default_matmul_precision), TF32 tensor cores on NVIDIA GPUs (dense). Sources:
+# Google Cloud TPU system architecture pages (v4, v5e, v5p, v6e); NVIDIA H100 and A100
+# datasheets (SXM parts).
+PEAK_RATES: Final = {
+  "TPU v4": (275e12, 1200e9),
+  "TPU v5 lite": (197e12, 819e9),
+  "TPU v5": (459e12, 2765e9),
+  "TPU v6 lite": (918e12, 1640e9),
+  "NVIDIA H100 80GB HBM3": (494.7e12, 3352e9),
+  "NVIDIA A100-SXM4-80GB": (156e12, 2039e9),
+}
+_GPU_CONFIG_FIELD = re.compile(r"^\s*(\w+):\s*([0-9.eE+-]+)\s*$", re.MULTILINE)
+
 _GPU_CONFIGS: Final = {
   "h100": (H100_SXM_TARGET_CONFIG, "NVIDIA H100 80GB HBM3"),
   "a100": (A100_SXM_80_TARGET_CONFIG, "NVIDIA A100-SXM4-80GB"),
@@ -182,6 +202,28 @@ class Target:
   def local(self) -> bool:
     """Whether this machine has devices of this kind (then nothing is compiled deviceless)."""
     return bool(_local_devices(self))
+
+  def peak_rates(self) -> tuple[float, float]:
+    """(flop/s, byte/s): the device's published peak rates (`PEAK_RATES`).
+
+    A GPU of another kind gets them from its ``target_config``: CUDA cores x 2 flops x
+    clock (its float32 rate without tensor cores, a lower bound) and its memory bandwidth.
+
+    Raises:
+      ValueError: a device kind without published rates here and no target config.
+    """
+    if self.device_kind in PEAK_RATES:
+      return PEAK_RATES[self.device_kind]
+    fields = {k: float(v) for k, v in _GPU_CONFIG_FIELD.findall(self.target_config)}
+    if {"core_count", "fpus_per_core", "clock_rate_ghz", "memory_bandwidth"} <= set(fields):
+      flops_per_s = 2 * fields["core_count"] * fields["fpus_per_core"] * fields["clock_rate_ghz"]
+      return flops_per_s * 1e9, fields["memory_bandwidth"]
+    raise ValueError(
+      f"target {self.name!r} ({self.device_kind!r}) has no published peak rates in "
+      f"jaxremat (known: {sorted(PEAK_RATES)}), so its equations cannot be costed in "
+      "seconds without the device: trace it with costs='shape', or add its (flop/s, "
+      "byte/s) to jaxremat._src.targets.PEAK_RATES."
+    )
 
   def devices(self) -> tuple[Any, ...]:
     """The devices compiled for: this machine's own, else the topology's compile-only ones.
@@ -311,6 +353,18 @@ def _prepare_cuda_plugin() -> None:
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 
+def _share_tpu_library() -> None:
+  """Lets several processes compile for TPU at once on a machine without TPU chips.
+
+  libtpu takes /tmp/libtpu_lockfile for the chips when it starts and refuses a second
+  process ("Internal error when accessing libtpu multi-process lockfile"); a deviceless
+  compile uses no chip, so sharing is safe where there is none (TPU VMs show them as
+  /dev/accel* or /dev/vfio/<n>).
+  """
+  if not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/[0-9]*"):
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
 def _require_compiler(target: Target) -> Target:
   """``target``, if this process can compile for it; else a TargetUnavailableError."""
   if target.platform == "tpu" and compat.tpu_library_path() is None and not target.local:
@@ -350,6 +404,7 @@ def _devices(target: Target) -> tuple[Any, ...]:
   _require_compiler(target)
   try:
     if target.platform == "tpu":
+      _share_tpu_library()
       devices = compat.topology_devices("tpu", target.topology)
     elif target.platform == "gpu":
       devices = compat.topology_devices(
@@ -434,3 +489,102 @@ def _placed(leaf: Any, sharding: Any, devices: tuple[Any, ...]) -> Any:
       aval.shape, aval.dtype, sharding=sharding, weak_type=getattr(aval, "weak_type", False)
     )
   return leaf
+
+
+# ---------------------------------------------------------------------------- facts
+
+
+# A matrix product in optimized HLO: a dot (CPU, TPU; convolution when TPU rewrites it) or
+# a cuBLAS call (GPU).
+_MATMUL = re.compile(r" (?:dot|convolution)\(|custom_call_target=\"__cublas")
+
+
+def measure_facts(target: str | Target | None = None) -> dict[str, bool]:
+  """What ``target``'s compiler does, measured on two small programs' optimized HLO.
+
+  - ``barrier_holds``: a product computed twice, the second time from operands behind
+    ``lax.optimization_barrier``, is still computed twice (not merged by CSE).
+  - ``reductions_duplicate_producers``: a product read by a column sum and by another
+    fusion is computed inside the sum's fusion too, not read from memory.
+
+  `BackendFacts` states what jaxremat expects of each platform; the tests and
+  ``jaxremat targets`` compare the two.
+
+  Example:
+    >>> measure_facts("cpu")
+    {'barrier_holds': False, 'reductions_duplicate_producers': False}
+  """
+  target = get_target(target)
+  x = jax.ShapeDtypeStruct((256, 64), np.float32)
+
+  def recomputed(x):
+    product = x @ x.T  # two readers: materialized, not fused into either
+    first = jnp.sum(jnp.tanh(product)) + jnp.sum(jnp.cos(product))
+    _, again = jax.lax.optimization_barrier((first, x))
+    return first + jnp.sum(jnp.sin(again @ again.T))
+
+  def shared(x, y):
+    return jnp.sum(x * y, axis=0), x * y - 2.0
+
+  barrier_hlo = compile_for(target, recomputed, x).as_text()
+  shared_hlo = compile_for(target, shared, x, x).as_text()
+  reducing = [b for b in shared_hlo.split("\n\n") if re.search(r"= \S+ reduce\(", b)]
+  return {
+    "barrier_holds": len(_MATMUL.findall(barrier_hlo)) == 2,
+    "reductions_duplicate_producers": any(" multiply(" in b for b in reducing),
+  }
+
+
+def facts_report(names: Sequence[str] | None = None) -> tuple[str, bool]:
+  """A table of each target: where it compiles, and its facts expected against measured.
+
+  Args:
+    names: the targets (default: `available_targets`).
+
+  Returns:
+    The table, and whether every measured fact is what `BackendFacts` expects. A target
+    whose compiler is not installed is listed with the extra it needs.
+  """
+  versions = ", ".join(
+    f"{package} {_version(package)}" for package in ("jax", "libtpu", "jax-cuda12-plugin")
+  )
+  lines = [
+    f"jaxremat targets ({versions})",
+    f"{'target':9} {'device':24} {'compiles':11} {'fence':8} {'barrier holds':22} "
+    f"{'reductions duplicate producers':32} peak flop/s, byte/s",
+  ]
+  all_match = True
+  for name in names or available_targets():
+    try:
+      target = get_target(name)
+      target.devices()
+    except TargetUnavailableError:
+      extra = TPU_AOT_EXTRA if name.startswith("tpu") else GPU_AOT_EXTRA
+      lines.append(f'{name:9} its compiler is not installed here: pip install -e ".[{extra}]"')
+      continue
+    measured = measure_facts(target)
+    cells = []
+    for fact, value in measured.items():
+      expected = getattr(target.facts, fact)
+      all_match &= value == expected
+      mark = "" if value == expected else "  MISMATCH"
+      cells.append(f"{_yes(expected)} (measured {_yes(value)}){mark}")
+    rates = (
+      "measured here (roofline)" if target.local else "{:.3g}, {:.3g}".format(*target.peak_rates())
+    )
+    lines.append(
+      f"{name:9} {target.device_kind[:24]:24} {'here' if target.local else 'deviceless':11} "
+      f"{target.facts.fence:8} {cells[0]:22} {cells[1]:32} {rates}"
+    )
+  return "\n".join(lines), all_match
+
+
+def _yes(value: bool) -> str:
+  return "yes" if value else "no"
+
+
+def _version(package: str) -> str:
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return "not installed"

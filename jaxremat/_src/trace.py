@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxremat._src import compat, costs, jaxpr_text
+from jaxremat._src import compat, costs, hlo_model, jaxpr_text
 from jaxremat._src.backends import backend_facts
 from jaxremat._src.errors import UnsupportedError
 from jaxremat._src.graph import Node, RematGraph
@@ -118,6 +118,7 @@ def trace_program(
   cache_dir: str | os.PathLike | None = None,
   cost_time_limit: float | None = None,
   target: str | Target | None = None,
+  model: str = "auto",
   **kwargs,
 ) -> Program:
   """Traces ``fn(*args, **kwargs)`` into a `Program` (flat jaxpr + `RematGraph`).
@@ -154,8 +155,13 @@ def trace_program(
       ``~/.cache/jaxremat``).
     cost_time_limit: seconds for costing equations with XLA; equations left when they
       are spent get shape estimates (None: no limit).
-    target: the compiler whose fusion facts group the equations (`jaxremat.get_target`;
-      None: this machine's backend). Costs are this machine's compiler's.
+    target: the device planned for (`jaxremat.get_target`; None: this machine's): its
+      compiler's fusion facts group the equations and its cost analysis costs them
+      (compiled deviceless, with its published peak rates, where it has no devices here).
+    model: which equations keep a buffer, by ``"rules"`` (fusion rules measured on
+      XLA:CPU) or ``"compiler"`` (the target compiler's optimized HLO, one extra compile,
+      `hlo_model`); ``"auto"``: the compiler for a target without devices here (the rules
+      were written for XLA:CPU), the rules on this machine.
     **kwargs: keyword arguments of ``fn``.
 
   Returns:
@@ -175,6 +181,11 @@ def trace_program(
   """
   if costs not in _COST_MODES:
     raise ValueError(f"costs={costs!r} is not a cost mode; use one of {sorted(_COST_MODES)}.")
+  if model not in _MODELS:
+    raise ValueError(f"model={model!r} is not a memory model; use one of {_MODELS}.")
+  target = get_target(target)
+  if model == "auto":
+    model = "rules" if target.local else "compiler"
   if signature is None:
     jitted = jit_options(fn)
     signature = call_signature(
@@ -203,9 +214,12 @@ def trace_program(
     cache_dir=cache_dir,
     cost_time_limit=cost_time_limit,
     workspace=workspace,
-    platform=get_target(target).platform,
+    target=target,
+    model=model,
   )
 
+
+_MODELS = ("auto", "rules", "compiler")
 
 MSG_CONCRETE = (
   "{name} uses a traced argument in Python control flow ({error}); jaxremat traces arrays "
@@ -243,21 +257,37 @@ def save_graph(fn: Callable, *args, path: str | os.PathLike, **kwargs) -> RematG
 
 
 def graph_from_jaxpr_text(
-  text: str, *, source: str = "<jaxpr text>", name: str = "jaxpr", fold: bool = True
+  text: str,
+  *,
+  source: str = "<jaxpr text>",
+  name: str = "jaxpr",
+  fold: bool = True,
+  target: str | Target | None = None,
 ) -> RematGraph:
   """The graph of a jaxpr printed by ``print(jax.make_jaxpr(f)(*args))``.
 
   The text keeps shapes, dtypes and most parameters but no source locations and no
-  constants, so costs are shape-based (``costs="shape"``); nodes, edges and sizes are
-  those `trace` gives for the live jaxpr.
+  constants; nodes, edges and sizes are those `trace` gives for the live jaxpr. Without
+  a ``target`` costs are shape-based (``costs="shape"``, nothing compiled) and the
+  equations are grouped by this machine's fusion facts; with one, by that target's, and
+  each equation is costed by its compiler (``costs="xla"``, deviceless where needed;
+  equations it cannot compile alone keep shape estimates).
 
   Raises:
     FormatError: naming the line and column of what the parser cannot read.
+    TargetUnavailableError: the target's compiler is not installed.
   """
   parsed = jaxpr_text.parse_jaxpr_text(text, source)
   flat = jaxpr_text.inline_calls(parsed, compat.INLINE_PRIMITIVES, compat.BODY_PARAMS, source)
   closed = jaxpr_text.to_closed_jaxpr(flat)
-  return build_program(closed, fold=fold, costs_mode="shape", name=name, printed_jaxpr=text).graph
+  return build_program(
+    closed,
+    fold=fold,
+    costs_mode="shape" if target is None else "xla",
+    name=name,
+    printed_jaxpr=text,
+    target=None if target is None else get_target(target),
+  ).graph
 
 
 _COST_MODES = frozenset({"xla", "measured", "shape"})
@@ -529,7 +559,7 @@ def _ynn_reduction(eqn: Any) -> bool:
 
 
 def _group_equations(
-  jaxpr: Any, fold: bool, reductions_duplicate: bool = True
+  jaxpr: Any, fold: bool, reductions_duplicate: bool = True, kept: frozenset[int] | None = None
 ) -> tuple[list[list[int]], set[int], set[int], dict[Any, int]]:
   """Groups equation indices into nodes; each group's last equation is its root.
 
@@ -546,7 +576,13 @@ def _group_equations(
   Returns the groups, the duplicated groups, the dot groups fused into their readers
   (`_dot_epilogues`, a subset of neither) and the values XLA keeps at a larger size
   than their aval (`_materialized_divisors`: var -> bytes).
+
+  ``kept``, the equations the target compiler materializes (`hlo_model`), replaces the
+  rules: any other equation joins its readers' group, or is duplicated into each of
+  several.
   """
+  if fold and kept is not None:
+    return _group_as_compiled(jaxpr, kept)
   eqns = jaxpr.eqns
   readers: dict[Any, list[int]] = {}
   for k, eqn in enumerate(eqns):
@@ -598,6 +634,39 @@ def _group_equations(
     epilogues = _dot_epilogues(jaxpr, out, readers, outvars, dup)
     materialized = _materialized_divisors(jaxpr, out, epilogues)
   return out, dup, epilogues, materialized
+
+
+def _group_as_compiled(
+  jaxpr: Any, kept: frozenset[int]
+) -> tuple[list[list[int]], set[int], set[int], dict[Any, int]]:
+  """`_group_equations` with the compiler's answer to which equations keep a buffer."""
+  eqns = jaxpr.eqns
+  readers: dict[Any, list[int]] = {}
+  for k, eqn in enumerate(eqns):
+    for v in eqn.invars:
+      if isinstance(v, compat.Var) and not isinstance(v, compat.Literal):
+        readers.setdefault(v, []).append(k)
+  outvars = {v for v in jaxpr.outvars if isinstance(v, compat.Var)}
+  group_of = [-1] * len(eqns)
+  groups: list[list[int]] = []
+  duplicated: set[int] = set()
+  for k in range(len(eqns) - 1, -1, -1):
+    eqn = eqns[k]
+    outs = [v for v in eqn.outvars if not isinstance(v, compat.DropVar)]
+    gs = {group_of[r] for v in outs for r in readers.get(v, ())}
+    folds = k not in kept and not eqn.effects and gs and not any(v in outvars for v in outs)
+    if folds and len(gs) == 1:
+      group_of[k] = gs.pop()
+      groups[group_of[k]].append(k)
+      continue
+    group_of[k] = len(groups)
+    if folds:
+      duplicated.add(len(groups))
+    groups.append([k])
+  order = sorted(range(len(groups)), key=lambda g: max(groups[g]))
+  dup_roots = {max(groups[g]) for g in duplicated}
+  out = [sorted(groups[g]) for g in order]
+  return out, {i for i, g in enumerate(out) if g[-1] in dup_roots}, set(), {}
 
 
 # Roots whose output XLA may write into the buffer of a same-shape operand that dies there.
@@ -855,16 +924,22 @@ def build_program(
   cost_time_limit: float | None = None,
   workspace: bool = False,
   printed_jaxpr: str | None = None,
-  platform: str | None = None,
+  target: Target | None = None,
+  model: str = "rules",
 ) -> Program:
   """Builds the `Program` of an already flat ``ClosedJaxpr`` (see `trace_program`).
 
-  ``printed_jaxpr`` is kept in the graph's meta for people (default: ``str(closed)``).
+  ``printed_jaxpr`` is kept in the graph's meta for people (default: ``str(closed)``);
+  ``target`` is the device planned for (None: this machine's); ``model`` says who
+  decides which equations keep a buffer: ``"rules"`` (`trace`'s fusion rules) or
+  ``"compiler"`` (the target compiler, `hlo_model`).
   """
+  platform = None if target is None else target.platform
   jaxpr = closed.jaxpr
   n_in = len(jaxpr.invars) + len(jaxpr.constvars)
+  kept = hlo_model.materialized_equations(closed, target) if fold and model == "compiler" else None
   groups, duplicated, epilogues, materialized = _group_equations(
-    jaxpr, fold, backend_facts(platform).reductions_duplicate_producers
+    jaxpr, fold, backend_facts(platform).reductions_duplicate_producers, kept
   )
   producer: dict[Any, int] = {}
   for i, v in enumerate([*jaxpr.invars, *jaxpr.constvars]):
@@ -913,7 +988,7 @@ def build_program(
     ]
     node_outvars.append(tuple(outs))
   eqn_costs = costs.equation_costs(
-    jaxpr.eqns, mode=costs_mode, cache_dir=cache_dir, time_limit_s=cost_time_limit
+    jaxpr.eqns, mode=costs_mode, cache_dir=cache_dir, time_limit_s=cost_time_limit, target=target
   )
   arg_names = list(arg_names or [f"arg{i}" for i in range(len(jaxpr.invars))])
   nodes = []
@@ -959,12 +1034,14 @@ def build_program(
       "source": "jaxremat.trace",
       "jaxpr": str(closed) if printed_jaxpr is None else printed_jaxpr,
       "fold": fold,
+      "model": model if fold else "unfolded",
       "workspace": workspace,
       "costs": costs_mode,
       "backend": platform or compat.backend_name(),
+      "target": None if target is None else target.name,
       "jax_version": jax.__version__,
       "n_eqns": len(jaxpr.eqns),
-      "roofline": costs.roofline_meta(costs_mode, cache_dir),
+      "roofline": costs.roofline_meta(costs_mode, cache_dir, target),
     },
   )
   return Program(
@@ -1192,12 +1269,13 @@ def _internal_bytes(eqn: Any) -> int:
 # -- XLA's accounting of the peak -----------------------------------------------------------
 
 
-def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None) -> int:
+def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_bytes: int = 0) -> int:
   """The peak as XLA's ``memory_analysis`` counts it, for ``schedule`` (default: baseline).
 
   XLA allocates the output buffers before the program runs and keeps them to the end,
   so its figure (argument + output + temp - alias) charges every output from the
-  start. This is the simulated memory at each compute event plus the outputs that are
+  start, but for the ``alias_bytes`` it writes into donated arguments (taken to be the
+  outputs computed last, as an optimizer's updates are). This is the simulated memory at each compute event plus the outputs that are
   not computed yet, plus the scratch XLA allocates while that node runs (its
   ``workspace_bytes``, unless the graph already has scratch nodes for them), plus the
   constants XLA computes at the start for nodes not computed yet (``constant_bytes``)
@@ -1214,7 +1292,7 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None) -> int:
   # from the start until their node computes them.
   pending = {v for v in graph.outputs if not graph.is_input[v]}
   pending |= {v for v in graph.order if graph.nodes[v].attrs.get("allocated_at_start")}
-  pending_bytes = sum(graph.mem[v] for v in pending)
+  pending_bytes = max(0, sum(graph.mem[v] for v in pending) - alias_bytes)
   with_nodes = graph.meta.get("workspace", False)
   early = {
     v: n.attrs["constant_bytes"] for v, n in enumerate(graph.nodes) if "constant_bytes" in n.attrs
@@ -1230,7 +1308,7 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None) -> int:
       continue
     if v in pending:
       pending.discard(v)
-      pending_bytes -= graph.mem[v]
+      pending_bytes = max(0, pending_bytes - graph.mem[v])
     peak = max(peak, after + pending_bytes + early_bytes + scratch(v))
     early_bytes -= early.pop(v, 0)
   return peak

@@ -931,13 +931,26 @@ def surviving_recomputes(original_hlo: str, emitted_hlo: str) -> dict[str, int]:
   return {op: after.get(op, 0) - before.get(op, 0) for op in EXPENSIVE_PRIMITIVES.values()}
 
 
+# Library calls that stand for an HLO opcode: XLA:GPU runs convolutions through cuDNN and
+# may run dots through cuBLAS (measured on deviceless H100 compiles).
+_CUSTOM_CALL_OPCODES = (("__cudnn$conv", "convolution"), ("__cublas", "dot"))
+_CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
 def count_hlo_ops(hlo_text: str) -> dict[str, int]:
-  """Instructions per opcode in HLO text, fused computations and branches included."""
+  """Instructions per opcode in HLO text, fused computations and branches included; a
+  cuDNN convolution or cuBLAS product counts as the opcode it stands for."""
   counts: collections.Counter[str] = collections.Counter()
   for line in hlo_text.splitlines():
     match = _HLO_OPCODE.search(line)
-    if match:
-      counts[match.group(1)] += 1
+    if not match:
+      continue
+    opcode = match.group(1)
+    if opcode == "custom-call" and (called := _CUSTOM_CALL_TARGET.search(line)):
+      opcode = next(
+        (op for prefix, op in _CUSTOM_CALL_OPCODES if called.group(1).startswith(prefix)), opcode
+      )
+    counts[opcode] += 1
   return dict(counts)
 
 
