@@ -430,3 +430,23 @@ def test_cudnn_convolutions_count_as_convolutions_in_the_gpu_hlo():
 
   hlo = compile_for(target, jax.grad(conv_loss), w, x).as_text()
   assert "__cudnn$conv" in hlo and count_hlo_ops(hlo)["convolution"] == 2  # forward, filter
+
+
+def test_a_plan_the_compiler_undoes_hands_over_to_segment_plans(tmp_path):
+  """On TPU v5e the GPT example's plans from `auto` measure the original's peak (XLA's
+  scheduler restores the original order); the planner then moves on to plans of whole
+  segments, which keep their shape, instead of tightening `auto`'s."""
+  import examples
+  from examples import _common
+
+  needs("tpu-v5e")
+  module = examples.load("gpt")
+  step, args = _common.make_train_step(module.loss, *_common.example_args(module))
+  options = dict(time_limit=120, target="tpu-v5e", cache_dir=tmp_path, verify=False)
+  plan = jaxremat.optimize(step, budget=0.9, **options).plan(*args)
+  assert plan.measured_peak_bytes <= plan.budget_bytes
+  solved = [a for a in plan.attempts if a.origin == "solve"]
+  assert solved[0].solver == "auto" and solved[0].measured_peak_bytes >= plan.baseline_peak_bytes
+  for a, after in zip(solved, solved[1:], strict=False):
+    if a.measured_peak_bytes >= plan.baseline_peak_bytes and a.solver == "auto":
+      assert after.solver != "auto"

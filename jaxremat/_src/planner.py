@@ -364,6 +364,7 @@ class _Loop:
     # buffers the model does not see), taken to hold for plans of it too: the first plan
     # is made that far below the budget.
     self.alias_bytes = baseline.alias_bytes
+    self.baseline_peak_bytes = baseline.peak_bytes
     self.baseline_gap_bytes = baseline.peak_bytes - self.predicted_peak_bytes(
       baseline_schedule(program.graph)
     )
@@ -459,6 +460,10 @@ class _Loop:
         schedule = minimize_peak(graph, "auto", time_limit=max(self.solve_time_s(), 0.5))
       self.try_schedule(schedule, "solve")
       last = self.tried[-1].attempt
+      if last.measured_peak_bytes >= self.baseline_peak_bytes and solver not in _SEGMENT_SOLVERS:
+        # XLA undid the plan (reordered it back to the original's peak): a tighter plan
+        # of the same kind would fare no better; plans of whole segments keep their shape.
+        return
       planning = next_planning_budget(
         planning, last.predicted_peak_bytes, last.measured_peak_bytes, self.budget_bytes
       )
