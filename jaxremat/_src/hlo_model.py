@@ -24,12 +24,11 @@ from typing import Any, Final
 import jax
 
 from jaxremat._src import compat
+from jaxremat._src.hlo_text import Instruction, computations
 from jaxremat._src.targets import Target, compile_for
 
 _SCOPE: Final = "jaxremat_eqn"
 _SCOPED = re.compile(_SCOPE + r"(\d+)")
-# One HLO instruction: its name, its opcode and the rest of the line.
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = .*? ([a-z][\w-]*)\((.*)$")
 _CALLS = re.compile(r"calls=%([\w.-]+)")
 # Instructions that hold no buffer of their own.
 _NO_BUFFER: Final = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "constant"})
@@ -65,55 +64,34 @@ def materialized_equations(closed: Any, target: str | Target | None) -> frozense
   return roots_in_hlo(compile_for(target, scoped, *specs).as_text())
 
 
-def roots_in_hlo(hlo_text: str) -> frozenset[int]:
+def roots_in_hlo(hlo: str) -> frozenset[int]:
   """The scoped equations that top-level instructions of the entry computation root."""
-  computations = _computations(hlo_text)
-  entry = next(name for name, (is_entry, _) in computations.items() if is_entry)
+  parts = computations(hlo)
+  entry = next(c for c in parts.values() if c.is_entry)
   roots: set[int] = set()
-  for opcode, rest, lines in computations[entry][1]:
-    if opcode in _NO_BUFFER:
+  for instruction in entry.instructions:
+    if instruction.opcode in _NO_BUFFER:
       continue
-    called = _CALLS.search(rest)
-    if opcode == "fusion" and called and called.group(1) in computations:
-      roots |= _fusion_roots(computations[called.group(1)][1])
-    roots |= _scopes(lines)
+    called = _CALLS.search(instruction.rest)
+    if instruction.opcode == "fusion" and called and called.group(1) in parts:
+      roots |= _fusion_roots(parts[called.group(1)].instructions)
+    roots |= _scopes(instruction.line)
   return frozenset(roots)
 
 
-def _fusion_roots(body: list[tuple[str, str, str]]) -> set[int]:
+def _fusion_roots(body: list[Instruction]) -> set[int]:
   """The equations a fused computation outputs: its root, or a root tuple's operands."""
-  by_name = {
-    line.split("=", 1)[0].strip().removeprefix("ROOT ").lstrip("%"): line for *_, line in body
-  }
-  root = next((line for *_, line in body if line.lstrip().startswith("ROOT ")), None)
+  root = next((i for i in body if i.is_root), None)
   if root is None:
     return set()
-  match = _INSTRUCTION.match(root)
-  if match and match.group(2) == "tuple":
-    operands = re.findall(r"%([\w.-]+)", match.group(3).split(")", 1)[0])
-    return set().union(*(_scopes(by_name.get(name, "")) for name in operands))
-  return _scopes(root)
+  if root.opcode != "tuple":
+    return _scopes(root.line)
+  lines = {i.name: i.line for i in body}
+  operands = re.findall(r"%([\w.-]+)", root.rest.split(")", 1)[0])
+  return set().union(*(_scopes(lines.get(name, "")) for name in operands))
 
 
 def _scopes(line: str) -> set[int]:
   """The innermost equation scope in an instruction's metadata."""
   found = _SCOPED.findall(line)
   return {int(found[-1])} if found else set()
-
-
-def _computations(hlo_text: str) -> dict[str, tuple[bool, list[tuple[str, str, str]]]]:
-  """Each computation's name -> (is it the entry, its instructions (opcode, rest, line))."""
-  out: dict[str, tuple[bool, list[tuple[str, str, str]]]] = {}
-  current: list[tuple[str, str, str]] | None = None
-  for line in hlo_text.splitlines():
-    header = re.match(r"^(ENTRY )?%([\w.-]+) ", line)
-    if header and line.rstrip().endswith("{"):
-      current = []
-      out[header.group(2)] = (bool(header.group(1)), current)
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      match = _INSTRUCTION.match(line)
-      if match:
-        current.append((match.group(2), match.group(3), line))
-  return out

@@ -360,11 +360,11 @@ class _Loop:
   def __init__(self, program, signature, budget_bytes, opts: PlanOptions, deadline, baseline):
     self.program = program
     self.solver_graph, self.reserved_bytes = as_xla_allocates(program.graph, baseline.alias_bytes)
+    self.alias_bytes = baseline.alias_bytes
+    self.baseline_peak_bytes = baseline.peak_bytes
     # What the compiler holds beyond the model on the original step (layout padding,
     # buffers the model does not see), taken to hold for plans of it too: the first plan
     # is made that far below the budget.
-    self.alias_bytes = baseline.alias_bytes
-    self.baseline_peak_bytes = baseline.peak_bytes
     self.baseline_gap_bytes = baseline.peak_bytes - self.predicted_peak_bytes(
       baseline_schedule(program.graph)
     )

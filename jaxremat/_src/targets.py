@@ -40,6 +40,7 @@ import numpy as np
 from jaxremat._src import compat
 from jaxremat._src.backends import BackendFacts, backend_facts
 from jaxremat._src.errors import TargetUnavailableError
+from jaxremat._src.hlo_text import computations, count_hlo_ops
 
 PLATFORMS: Final = ("cpu", "tpu", "gpu")
 TPU_AOT_EXTRA: Final = "tpu-aot"
@@ -494,11 +495,6 @@ def _placed(leaf: Any, sharding: Any, devices: tuple[Any, ...]) -> Any:
 # ---------------------------------------------------------------------------- facts
 
 
-# A matrix product in optimized HLO: a dot (CPU, TPU; convolution when TPU rewrites it) or
-# a cuBLAS call (GPU).
-_MATMUL = re.compile(r" (?:dot|convolution)\(|custom_call_target=\"__cublas")
-
-
 def measure_facts(target: str | Target | None = None) -> dict[str, bool]:
   """What ``target``'s compiler does, measured on two small programs' optimized HLO.
 
@@ -528,10 +524,15 @@ def measure_facts(target: str | Target | None = None) -> dict[str, bool]:
 
   barrier_hlo = compile_for(target, recomputed, x).as_text()
   shared_hlo = compile_for(target, shared, x, x).as_text()
-  reducing = [b for b in shared_hlo.split("\n\n") if re.search(r"= \S+ reduce\(", b)]
+  products = count_hlo_ops(barrier_hlo)
+  reducing = [
+    {i.opcode for i in c.instructions}
+    for c in computations(shared_hlo).values()
+    if any(i.opcode == "reduce" for i in c.instructions)
+  ]
   return {
-    "barrier_holds": len(_MATMUL.findall(barrier_hlo)) == 2,
-    "reductions_duplicate_producers": any(" multiply(" in b for b in reducing),
+    "barrier_holds": products.get("dot", 0) + products.get("convolution", 0) == 2,
+    "reductions_duplicate_producers": any("multiply" in ops for ops in reducing),
   }
 
 

@@ -12,7 +12,6 @@ import collections
 import contextlib
 import dataclasses
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal
 
@@ -24,6 +23,7 @@ from jax import lax
 from jaxremat._src import compat
 from jaxremat._src.backends import backend_facts
 from jaxremat._src.emit import live_computes
+from jaxremat._src.hlo_text import count_hlo_ops
 from jaxremat._src.measure import Measurement, measure
 from jaxremat._src.schedule import Schedule
 from jaxremat._src.simulate import baseline_schedule, simulate
@@ -41,7 +41,6 @@ EXPENSIVE_PRIMITIVES: Mapping[str, str] = {
 # XLA rewrites some convolutions as dots (1x1 kernels on XLA:CPU), so a planned
 # convolution may survive as a dot: opcodes in one group are counted together.
 _OPCODE_GROUPS = (("dot", "convolution"), ("fft",), ("sort",))
-_HLO_OPCODE = re.compile(r"=\s.*?\s([a-z][a-z0-9-]*)\(")
 
 # -- output comparison: constants ---------------------------------------------------------
 
@@ -929,29 +928,6 @@ def surviving_recomputes(original_hlo: str, emitted_hlo: str) -> dict[str, int]:
   """Extra instructions of each expensive opcode in the emitted HLO over the original's."""
   before, after = count_hlo_ops(original_hlo), count_hlo_ops(emitted_hlo)
   return {op: after.get(op, 0) - before.get(op, 0) for op in EXPENSIVE_PRIMITIVES.values()}
-
-
-# Library calls that stand for an HLO opcode: XLA:GPU runs convolutions through cuDNN and
-# may run dots through cuBLAS (measured on deviceless H100 compiles).
-_CUSTOM_CALL_OPCODES = (("__cudnn$conv", "convolution"), ("__cublas", "dot"))
-_CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
-
-
-def count_hlo_ops(hlo_text: str) -> dict[str, int]:
-  """Instructions per opcode in HLO text, fused computations and branches included; a
-  cuDNN convolution or cuBLAS product counts as the opcode it stands for."""
-  counts: collections.Counter[str] = collections.Counter()
-  for line in hlo_text.splitlines():
-    match = _HLO_OPCODE.search(line)
-    if not match:
-      continue
-    opcode = match.group(1)
-    if opcode == "custom-call" and (called := _CUSTOM_CALL_TARGET.search(line)):
-      opcode = next(
-        (op for prefix, op in _CUSTOM_CALL_OPCODES if called.group(1).startswith(prefix)), opcode
-      )
-    counts[opcode] += 1
-  return dict(counts)
 
 
 def planned_recomputes(program: Any, schedule: Schedule) -> dict[str, int]:
