@@ -24,6 +24,7 @@ from jaxremat._src import compat
 from jaxremat._src.analyze import load_graph, model_description
 from jaxremat._src.backends import backend_facts
 from jaxremat._src.demo import make_mlp_step
+from jaxremat._src.planner import _SEGMENT_SOLVERS
 from jaxremat._src.targets import (
   Target,
   TargetUnavailableError,
@@ -328,7 +329,12 @@ def test_equations_are_costed_by_the_target_compiler(name, tmp_path):
     "device_kind": target.device_kind,
     "source": "published",
   }
-  (dot,) = [v for v in graph.order if graph.nodes[v].attrs["primitive"] == "dot_general"]
+  # The product's node (TPU fuses the tanh into it).
+  (dot,) = [
+    v
+    for v in graph.order
+    if "dot_general" in graph.nodes[v].attrs.get("fused", [graph.nodes[v].attrs["primitive"]])
+  ]
   attrs = graph.nodes[dot].attrs
   assert attrs["cost_source"] == "xla" and attrs["flops"] == pytest.approx(2 * m * k * n, rel=0.01)
   assert graph.cost[dot] >= attrs["flops"] / flops_per_s
@@ -398,7 +404,7 @@ def test_peak_rates_are_published_figures_or_read_from_a_gpu_config():
 def test_the_target_compiler_decides_what_the_graph_keeps(name):
   """For a target without devices here the graph is grouped by what its compiler
   materializes (`hlo_model`). On the GPT example's step the XLA:CPU fusion rules overstate
-  the TPU v5e peak by 73% and the H100 one by 35%; the compiler's grouping is within 5%."""
+  the TPU v5e peak by 73% and the H100 one by 35%; the compiler's model is within 10%."""
   import examples
   from examples import _common
   from jaxremat._src.trace import xla_accounted_peak_bytes
@@ -413,7 +419,61 @@ def test_the_target_compiler_decides_what_the_graph_keeps(name):
   }
   assert graphs["auto"].meta["model"] == "compiler"
   assert xla_accounted_peak_bytes(graphs["rules"]) > 1.3 * measured
-  assert abs(xla_accounted_peak_bytes(graphs["auto"]) - measured) <= 0.05 * measured
+  assert abs(xla_accounted_peak_bytes(graphs["auto"]) - measured) <= 0.10 * measured
+
+
+@pytest.mark.parametrize("name", ["tpu-v5e", "h100"])
+def test_the_compiler_model_predicts_steps_no_rule_was_written_for(name):
+  """The Equinox transformer's step (no rule or test was fitted to it): the XLA:CPU rules
+  are 29-36% over each target's peak, the compiler's model within 10%
+  (benchmarks/model_accuracy.py)."""
+  from examples import equinox_transformer
+  from jaxremat._src.signature import FlatStep
+  from jaxremat._src.trace import xla_accounted_peak_bytes
+
+  needs(name)
+  step, args, kwargs = equinox_transformer.make_train_step()
+  options = dict(costs="shape", target=name, donate_argnums=equinox_transformer.DONATE_ARGNUMS)
+  rules = jaxremat.trace_program(step, *args, model="rules", **options, **kwargs)
+  compiled = jaxremat.trace_program(step, *args, model="compiler", **options, **kwargs)
+  signature = compiled.signature
+  measured = jaxremat.measure(
+    FlatStep(step, signature),
+    *signature.specs,
+    runs=0,
+    donate_argnums=signature.donated_leaves,
+    target=name,
+  )
+  # Tracing compiled the step: the same figures, without a second compile in optimize.
+  assert compiled.baseline.peak_bytes == measured.peak_bytes
+  alias = measured.alias_bytes
+  assert xla_accounted_peak_bytes(rules.graph, None, alias) > 1.25 * measured.peak_bytes
+  predicted = xla_accounted_peak_bytes(compiled.graph, None, alias)
+  assert abs(predicted - measured.peak_bytes) <= 0.10 * measured.peak_bytes
+
+
+def test_the_compiler_model_counts_tpu_tile_padding():
+  """TPU pads minor dimensions to (8, 128) tiles: the Flax CNN's 32- and 64-channel
+  activations take 2-4x their bytes there. Sized from their avals the model predicted 0.27
+  of the TPU v5e peak; sized from the compiler's layouts, over 0.75."""
+  from examples import flax_cnn
+  from jaxremat._src.trace import xla_accounted_peak_bytes
+
+  needs("tpu-v5e")
+  step, args, kwargs = flax_cnn.make_train_step()
+  options = dict(static_argnames=flax_cnn.STATIC_ARGNAMES, donate_argnums=flax_cnn.DONATE_ARGNUMS)
+  program = jaxremat.trace_program(
+    step, *args, costs="shape", target="tpu-v5e", **options, **kwargs
+  )
+  measured = program.baseline
+  predicted = xla_accounted_peak_bytes(program.graph, None, measured.alias_bytes)
+  assert 0.75 * measured.peak_bytes <= predicted <= 1.1 * measured.peak_bytes
+  padded = [
+    n
+    for n in program.graph.nodes
+    if n.attrs.get("dtype") == "float32" and n.mem > 2 * 4 * np.prod(n.attrs["shape"], dtype=int)
+  ]
+  assert padded, "no value is held at more than twice its aval's bytes"
 
 
 def test_cudnn_convolutions_count_as_convolutions_in_the_gpu_hlo():
@@ -432,21 +492,25 @@ def test_cudnn_convolutions_count_as_convolutions_in_the_gpu_hlo():
   assert "__cudnn$conv" in hlo and count_hlo_ops(hlo)["convolution"] == 2  # forward, filter
 
 
-def test_a_plan_the_compiler_undoes_hands_over_to_segment_plans(tmp_path):
-  """On TPU v5e the GPT example's plans from `auto` measure the original's peak (XLA's
-  scheduler restores the original order); the planner then moves on to plans of whole
-  segments, which keep their shape, instead of tightening `auto`'s."""
+@pytest.mark.parametrize("example, name", [("gpt", "tpu-v5e"), ("mlp", "h100")])
+def test_a_plan_the_compiler_undoes_hands_over_to_segment_plans(example, name, tmp_path):
+  """The first plan from `auto` measures the original's peak, to within a tenth of the
+  saving the model predicted (the GPT example on TPU v5e, the MLP example on H100 at 0.9);
+  the planner then moves on to plans of whole segments instead of tightening `auto`'s, and
+  one of those meets the budget. Segment solvers that find nothing pass to the next one:
+  the least-peak plan (x3.2 FLOPs on the H100 MLP) comes only after all of them."""
   import examples
-  from examples import _common
 
-  needs("tpu-v5e")
-  module = examples.load("gpt")
-  step, args = _common.make_train_step(module.loss, *_common.example_args(module))
-  options = dict(time_limit=120, target="tpu-v5e", cache_dir=tmp_path, verify=False)
+  needs(name)
+  step, args = examples.load(example).make_train_step()
+  options = dict(time_limit=120, target=name, cache_dir=tmp_path, verify=False)
   plan = jaxremat.optimize(step, budget=0.9, **options).plan(*args)
   assert plan.measured_peak_bytes <= plan.budget_bytes
   solved = [a for a in plan.attempts if a.origin == "solve"]
-  assert solved[0].solver == "auto" and solved[0].measured_peak_bytes >= plan.baseline_peak_bytes
-  for a, after in zip(solved, solved[1:], strict=False):
-    if a.measured_peak_bytes >= plan.baseline_peak_bytes and a.solver == "auto":
-      assert after.solver != "auto"
+  first = solved[0]
+  assert first.solver == "auto"
+  assert plan.baseline_peak_bytes - first.measured_peak_bytes < 0.1 * (
+    plan.schedule.stats["optimize"]["predicted_baseline_peak_bytes"] - first.predicted_peak_bytes
+  )
+  assert [a.solver for a in solved[1:]] == [solved[-1].solver]
+  assert solved[-1].solver in _SEGMENT_SOLVERS

@@ -558,7 +558,38 @@ def test_the_compiler_says_which_values_keep_a_buffer():
   assert abs(xla_accounted_peak_bytes(compiled.graph) - measured) <= 0.1 * measured
   # The same equations, grouped otherwise; each still in exactly one node.
   assert sorted(k for g in compiled.node_eqns for k in g) == list(range(len(compiled.jaxpr.eqns)))
+  # Tracing compiled the step: its figures are the step's own, and what optimize starts from.
+  assert compiled.baseline.peak_bytes == measured and rules.baseline is None
   # The default on this machine is the rules; the compiler for a target without devices.
   assert jaxremat.trace_program(step, *args, costs="shape").graph.meta["model"] == "rules"
   with pytest.raises(ValueError, match="memory model"):
     jaxremat.trace_program(step, *args, model="guess")
+
+
+def test_the_compiler_model_sizes_values_as_the_target_lays_them_out():
+  """Each kept value's bytes come from its HLO instruction's shape and layout, with the
+  target's tile padding, and a copy that only one equation reads is that equation's
+  scratch, not part of the value (`hlo_model.values_in_hlo` on a TPU-style program)."""
+  from jaxremat._src import hlo_model
+  from jaxremat._src.hlo_text import buffers
+
+  assert buffers("f32[30,100]{1,0:T(8,128)}") == buffers("f32[32,128]{1,0}")
+  assert buffers("bf16[2,100,100]{2,0,1:T(2,128)(2,1)}")[0].bytes == 100 * 2 * 128 * 2
+  assert buffers("pred[7]{0:T(1024)E(32)}")[0].bytes == 4096
+  hlo = "\n".join(
+    [
+      "ENTRY %main (x: f32[30,100]) -> f32[100,30] {",
+      '  %x = f32[30,100]{1,0:T(8,128)} parameter(0), metadata={op_name="x"}',
+      '  %t = f32[30,100]{1,0:T(8,128)} tanh(%x), metadata={op_name="jit(f)/jaxremat_eqn0/tanh"}',
+      "  %c = f32[30,100]{0,1:T(8,128)} copy(%t)",
+      '  %d = f32[100,30]{1,0:T(8,128)} transpose(%c), metadata={op_name="jit(f)/jaxremat_eqn1/transpose"}',
+      '  ROOT %s = f32[100,30]{1,0:T(8,128)} add(%d, %t), metadata={op_name="jit(f)/jaxremat_eqn2/add"}',
+      "}",
+    ]
+  )
+  kept, sizes, scratch, position, arguments = hlo_model.values_in_hlo(hlo, 1)
+  assert kept == {0, 1, 2}
+  assert sizes[0] == 32 * 128 * 4 and sizes[1] == 104 * 128 * 4
+  assert scratch == {1: 104 * 128 * 4}  # the layout copy read only by the transpose
+  assert arguments == (32 * 128 * 4,)
+  assert position == {0: 1, 1: 3, 2: 4}

@@ -9,40 +9,63 @@ metadata (TARGETS.md). An equation is materialized when a top-level instruction 
 entry computation (a fusion, a custom call, a copy, ...) has it as its root, or as one of
 the roots of a multi-output fusion.
 
+Sizes come from the same program: each kept value's bytes are its instruction's shape as
+the target lays it out (TPU pads minor dimensions to (8, 128) tiles), each argument's bytes
+its parameter's, and the copies XLA makes for one reader (transposed operands, library
+scratch) are that reader's scratch. The entry computation lists its instructions in the
+order they run, which `trace` takes as the graph's order. The compile is the step's own
+(with its donation), so its figures are the step's baseline measurement.
+
 Example:
   >>> import jax, jax.numpy as jnp
   >>> closed = jax.make_jaxpr(lambda x: jnp.sum(jnp.tanh(x) * 2.0))(jnp.ones((8, 128)))
-  >>> sorted(materialized_equations(closed, "cpu"))  # XLA:CPU: tanh fused into the mul
-  [1, 2]
+  >>> values = compiled_values(closed, "cpu")
+  >>> sorted(values.kept), values.bytes[2]  # XLA:CPU: tanh fused into the mul
+  ([1, 2], 4)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Final
 
 import jax
 
 from jaxremat._src import compat
-from jaxremat._src.hlo_text import Instruction, computations
-from jaxremat._src.targets import Target, compile_for
+from jaxremat._src.hlo_text import Instruction, buffers, computations
+from jaxremat._src.measure import Measurement, measure
+from jaxremat._src.targets import Target
 
 _SCOPE: Final = "jaxremat_eqn"
 _SCOPED = re.compile(_SCOPE + r"(\d+)")
 _CALLS = re.compile(r"calls=%([\w.-]+)")
 # Instructions that hold no buffer of their own.
 _NO_BUFFER: Final = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "constant"})
+_PARAMETER = re.compile(r"parameter\((\d+)\)")
 
 
-def materialized_equations(closed: Any, target: str | Target | None) -> frozenset[int]:
-  """Indices of the equations of flat ``closed`` whose outputs the compiler keeps.
+@dataclasses.dataclass(frozen=True)
+class CompiledValues:
+  """What the target compiler keeps of a flat jaxpr's values, and at what size."""
+
+  kept: frozenset[int]  # equations some top-level instruction computes last
+  bytes: dict[int, int]  # kept equation -> its outputs' bytes in device memory
+  scratch: dict[int, int]  # equation -> bytes of the copies only it reads, while it runs
+  position: dict[int, int]  # kept equation -> where the compiler's schedule first makes it
+  argument_bytes: tuple[int, ...]  # per jaxpr input, as the compiled parameter holds it
+  measurement: Measurement  # the compiler's figures for the program (the same as the step's)
+
+
+def compiled_values(
+  closed: Any, target: str | Target | None, donate_argnums: tuple[int, ...] = ()
+) -> CompiledValues:
+  """Which values of flat ``closed`` the compiler keeps, read from its optimized program.
 
   Args:
     closed: a flat ``ClosedJaxpr`` (`trace.flatten_jaxpr`'s output).
     target: the compiler (`jaxremat.get_target`; None: this machine's).
-
-  Returns:
-    The equations some top-level instruction of the optimized program computes last.
+    donate_argnums: the donated inputs, so that the measurement is the step's own.
   """
   jaxpr, consts = compat.open_jaxpr(closed)
 
@@ -61,37 +84,82 @@ def materialized_equations(closed: Any, target: str | Target | None) -> frozense
     return [read(v) for v in jaxpr.outvars]
 
   specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-  return roots_in_hlo(compile_for(target, scoped, *specs).as_text())
+  measured = measure(scoped, *specs, runs=0, donate_argnums=donate_argnums, target=target)
+  return CompiledValues(*values_in_hlo(measured.hlo_text, len(jaxpr.invars)), measured)
 
 
-def roots_in_hlo(hlo: str) -> frozenset[int]:
-  """The scoped equations that top-level instructions of the entry computation root."""
+def values_in_hlo(
+  hlo: str, n_arguments: int
+) -> tuple[frozenset[int], dict[int, int], dict[int, int], dict[int, int], tuple[int, ...]]:
+  """The scoped equations that top-level instructions of the entry computation root, the
+  bytes of what they hold in device memory, and where the schedule makes them (the entry
+  computation of an optimized module lists its instructions in execution order).
+
+  A buffer that is not an equation's first (an unnamed copy: a layout change, a transposed
+  operand, XLA:CPU's float32 for a bfloat16 value; or a second buffer under the same name)
+  is scratch of the one equation that reads it, where one does; a second named buffer read
+  by more is more of its equation's value. Unnamed buffers read by several equations are
+  left out: their lifetimes are not known (XLA:CPU drops the names of bfloat16 arithmetic).
+  """
   parts = computations(hlo)
   entry = next(c for c in parts.values() if c.is_entry)
-  roots: set[int] = set()
+  roots_of: dict[str, list[int | None]] = {}  # instruction -> the equation of each output
+  readers: dict[str, set[int | None]] = {}  # instruction -> the equations reading it
   for instruction in entry.instructions:
-    if instruction.opcode in _NO_BUFFER:
-      continue
+    roots = [_scope(instruction.line)]
     called = _CALLS.search(instruction.rest)
     if instruction.opcode == "fusion" and called and called.group(1) in parts:
-      roots |= _fusion_roots(parts[called.group(1)].instructions)
-    roots |= _scopes(instruction.line)
-  return frozenset(roots)
+      roots = _fusion_roots(parts[called.group(1)].instructions) or roots
+    roots_of[instruction.name] = roots
+    reader = next((k for k in roots if k is not None), None)
+    for name in re.findall(r"%([\w.-]+)", instruction.rest.split(")", 1)[0]):
+      readers.setdefault(name, set()).add(reader)
+  sizes: dict[int, int] = {}
+  scratch: dict[int, int] = {}
+  position: dict[int, int] = {}
+  arguments = [0] * n_arguments
+  for at, instruction in enumerate(entry.instructions):
+    held = [b.bytes for b in buffers(instruction.shape)] or [0]
+    if instruction.opcode == "parameter":
+      index = int(_PARAMETER.search(instruction.line).group(1))
+      if index < n_arguments:
+        arguments[index] = sum(held)
+      continue
+    if instruction.opcode in _NO_BUFFER:
+      continue
+    roots = roots_of[instruction.name]
+    if len(roots) != len(held):  # one value and a library call's scratch, or a tuple root
+      roots = roots[:1] + [None] * (len(held) - 1)
+    for k, size in zip(roots, held):
+      if k is not None and k not in sizes:
+        sizes[k] = size
+        position[k] = at
+        continue
+      read_by = readers.get(instruction.name, set())
+      if len(read_by) == 1 and None not in read_by:
+        (reader,) = read_by
+        scratch[reader] = scratch.get(reader, 0) + size
+      elif k is not None:
+        sizes[k] += size
+  return frozenset(sizes), sizes, scratch, position, tuple(arguments)
 
 
-def _fusion_roots(body: list[Instruction]) -> set[int]:
-  """The equations a fused computation outputs: its root, or a root tuple's operands."""
+def _fusion_roots(body: list[Instruction]) -> list[int | None]:
+  """The equation of each output of a fused computation (its root, or a root tuple's
+  operands in order); empty where none is named."""
   root = next((i for i in body if i.is_root), None)
   if root is None:
-    return set()
+    return []
   if root.opcode != "tuple":
-    return _scopes(root.line)
-  lines = {i.name: i.line for i in body}
-  operands = re.findall(r"%([\w.-]+)", root.rest.split(")", 1)[0])
-  return set().union(*(_scopes(lines.get(name, "")) for name in operands))
+    roots = [_scope(root.line)]
+  else:
+    lines = {i.name: i.line for i in body}
+    operands = re.findall(r"%([\w.-]+)", root.rest.split(")", 1)[0])
+    roots = [_scope(lines.get(name, "")) for name in operands]
+  return roots if any(k is not None for k in roots) else []
 
 
-def _scopes(line: str) -> set[int]:
+def _scope(line: str) -> int | None:
   """The innermost equation scope in an instruction's metadata."""
   found = _SCOPED.findall(line)
-  return {int(found[-1])} if found else set()
+  return int(found[-1]) if found else None

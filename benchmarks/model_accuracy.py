@@ -1,0 +1,126 @@
+"""How well each memory model predicts a training step's peak on a target's compiler.
+
+Usage: python -m benchmarks.model_accuracy [--target tpu-v5e] [--models rules,compiler]
+                                           [--steps mlp,gpt,...,flax_cnn,equinox,gpt_bf16]
+
+For each step: the target compiler's peak of the step as written (with its donation,
+`jaxremat.measure`, nothing runs) against the baseline schedule of the graph that each
+model builds, counted as XLA counts it (`xla_accounted_peak_bytes`). ``rules`` are the
+hand-written XLA:CPU fusion rules; ``compiler`` reads which values the target compiler
+keeps, and their sizes with its layout, from its optimized HLO (`hlo_model`). Besides the
+six examples' train steps: the Flax CNN and Equinox transformer (steps as those libraries'
+users write them) and the GPT train step in bfloat16 (every float argument cast). Prints a
+table; writes benchmarks/results/model_accuracy_<target>.{csv,json}.
+"""
+
+import argparse
+import csv
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+import examples
+import jaxremat
+from jaxremat._src.signature import FlatStep
+from jaxremat._src.trace import xla_accounted_peak_bytes
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+STEPS = (*examples.EXAMPLES, "flax_cnn", "equinox", "gpt_bf16")
+
+
+def make_step(name: str):
+  """``(fn, args, kwargs, options)`` of the named training step at its default size."""
+  if name == "flax_cnn":
+    from examples import flax_cnn
+
+    fn, args, kwargs = flax_cnn.make_train_step()
+    options = {
+      "static_argnames": flax_cnn.STATIC_ARGNAMES,
+      "donate_argnums": flax_cnn.DONATE_ARGNUMS,
+    }
+    return fn, args, kwargs, options
+  if name == "equinox":
+    from examples import equinox_transformer
+
+    fn, args, kwargs = equinox_transformer.make_train_step()
+    return fn, args, kwargs, {"donate_argnums": equinox_transformer.DONATE_ARGNUMS}
+  if name == "gpt_bf16":
+    fn, args = examples.load("gpt").make_train_step()
+
+    def cast(a):
+      return a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+    return fn, jax.tree.map(cast, args), {}, {}
+  fn, args = examples.load(name).make_train_step()
+  return fn, args, {}, {}
+
+
+def measure_step(name: str, target: str, models: list[str]) -> list[dict]:
+  fn, args, kwargs, options = make_step(name)
+  rows = []
+  measured = None
+  for model in models:
+    start = time.perf_counter()
+    program = jaxremat.trace_program(
+      fn, *args, costs="shape", target=target, model=model, **options, **kwargs
+    )
+    trace_s = time.perf_counter() - start
+    signature = program.signature
+    if measured is None:
+      measured = jaxremat.measure(
+        FlatStep(fn, signature),
+        *signature.specs,
+        runs=0,
+        donate_argnums=signature.donated_leaves,
+        target=target,
+      )
+    predicted = xla_accounted_peak_bytes(program.graph, None, measured.alias_bytes)
+    rows.append(
+      {
+        "step": name,
+        "target": target,
+        "model": model,
+        "nodes": program.graph.n,
+        "eqns": program.graph.meta["n_eqns"],
+        "predicted_bytes": predicted,
+        "xla_bytes": measured.peak_bytes,
+        "ratio": round(predicted / measured.peak_bytes, 3),
+        "trace_s": round(trace_s, 1),
+      }
+    )
+  return rows
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--target", default="cpu")
+  parser.add_argument("--models", default="rules,compiler")
+  parser.add_argument("--steps", default=",".join(STEPS))
+  parser.add_argument("--out", default=None)
+  ns = parser.parse_args()
+  jaxremat.get_target(ns.target)  # before any array exists (a deviceless GPU needs it)
+  out = ns.out or os.path.join(RESULTS, f"model_accuracy_{ns.target}")
+  rows = []
+  print(f"{'step':10} {'model':9} {'nodes':>6} {'predicted MiB':>14} {'XLA MiB':>9} {'ratio':>6}")
+  for name in ns.steps.split(","):
+    for r in measure_step(name, ns.target, ns.models.split(",")):
+      rows.append(r)
+      print(
+        f"{r['step']:10} {r['model']:9} {r['nodes']:>6} {r['predicted_bytes'] / 2**20:>14.2f} "
+        f"{r['xla_bytes'] / 2**20:>9.2f} {r['ratio']:>6.3f}",
+        flush=True,
+      )
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  with open(out + ".csv", "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+  with open(out + ".json", "w") as f:
+    json.dump({"jax_version": jax.__version__, "target": ns.target, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
