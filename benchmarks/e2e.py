@@ -34,12 +34,14 @@ Run from the repository root:
   python -m benchmarks.e2e --rerun-solvers     # the same, and the solver benchmarks rerun
   python -m benchmarks.e2e --quick             # U-Net and ResNet at 0.7 (a few minutes)
   python -m benchmarks.e2e --target tpu-v5e    # for TPU v5e, on this machine
+  python -m benchmarks.e2e --target tpu-v5e --batch-scale 8  # temporaries past TPU VMEM
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import inspect
 import json
 import os
 import pathlib
@@ -129,14 +131,25 @@ def variants_for(target: jaxremat.Target) -> tuple[str, ...]:
 
 
 def run_example(
-  name: str, budgets, time_limit_s: float, runs: int, small: bool, target: jaxremat.Target
+  name: str,
+  budgets,
+  time_limit_s: float,
+  runs: int,
+  small: bool,
+  target: jaxremat.Target,
+  batch_scale: int = 1,
 ) -> list[dict]:
   """Every method on one example's training step; one row per method (and budget).
 
   Wall times and the variants' outputs are taken only where ``target`` runs here.
+  ``batch_scale`` multiplies the example's batch size.
   """
   module = examples.load(name)
-  params, batch = _common.example_args(module, **(module.SMALL if small else {}))
+  sizes = dict(module.SMALL) if small else {}
+  if batch_scale != 1:
+    default = inspect.signature(module.example_batch).parameters["batch"].default
+    sizes["batch"] = sizes.get("batch", default) * batch_scale
+  params, batch = _common.example_args(module, **sizes)
 
   def step_for(variant):
     return _common.make_train_step(_common.checkpointed_loss(module, variant), params, batch)
@@ -146,7 +159,8 @@ def run_example(
   timed = [jax.jit(step)]  # the rows' compiled steps, timed together at the end
   reference = noise_envelope(step, *args)
   budgets_bytes = {b: jaxremat.parse_budget(b, base.peak_bytes) for b in budgets}
-  common = {"example": name, "sizes": "small" if small else "default", "target": target.name}
+  label = ("small" if small else "default") + (f" batch x{batch_scale}" if batch_scale != 1 else "")
+  common = {"example": name, "sizes": label, "target": target.name}
   rows = [
     {**common, "method": "no remat", **_figures(base, base, budgets_bytes)}
     | agreement(reference.expected, reference)
@@ -421,6 +435,12 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--runs", type=int, help="timed calls per step (default 5; quick 3)")
   parser.add_argument("--small", action="store_true", help="the examples' smallest sizes")
   parser.add_argument(
+    "--batch-scale",
+    type=int,
+    default=1,
+    help="multiply each example's batch (on TPU, to put the temporaries past on-chip memory)",
+  )
+  parser.add_argument(
     "--rerun-solvers", action="store_true", help="rerun the solver benchmarks' parts first"
   )
   parser.add_argument("--auto-time-limit", type=float, default=60.0, help="with --rerun-solvers")
@@ -449,6 +469,8 @@ def main(argv: list[str] | None = None) -> None:
   tag = "e2e_quick" if args.quick else f"e2e_{'_'.join(names)}" if args.examples else "e2e"
   if args.target:
     tag += f"_{target.name}"
+  if args.batch_scale != 1:
+    tag += f"_batchx{args.batch_scale}"
 
   start, loads = time.perf_counter(), [os.getloadavg()[0]]
   if args.rerun_solvers:
@@ -460,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
 
   rows: list[dict] = []
   for name in names:
-    rows += run_example(name, budgets, time_limit_s, runs, args.small, target)
+    rows += run_example(name, budgets, time_limit_s, runs, args.small, target, args.batch_scale)
     loads.append(os.getloadavg()[0])
     # Saved after every example, so that an interrupted run keeps what it measured.
     unmet = [r for r in rows if r.get("jaxremat_reports_met") and not r.get("xla_met")]
