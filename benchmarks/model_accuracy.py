@@ -69,7 +69,7 @@ def measure_step(name: str, target: str, models: list[str]) -> list[dict]:
     )
     trace_s = time.perf_counter() - start
     signature = program.signature
-    if measured is None:
+    if measured is None:  # the step as written, not the compile the model read
       measured = jaxremat.measure(
         FlatStep(fn, signature),
         *signature.specs,

@@ -414,8 +414,10 @@ def topological_order(
   edges: Sequence[tuple[int, int]],
   inputs: set[int] | frozenset = frozenset(),
   source: str = "<graph>",
+  priority: Sequence[float] | None = None,
 ) -> list[int]:
-  """The smallest-id-first topological order of the non-input nodes (Kahn).
+  """The topological order of the non-input nodes (Kahn) that takes, of the nodes ready,
+  the one of least ``priority`` (default: its id), ties by id.
 
   Raises:
     FormatError: if the edges contain a cycle (naming one node on it).
@@ -425,16 +427,17 @@ def topological_order(
   for u, v in edges:
     succs[u].append(v)
     indeg[v] += 1
-  heap = [v for v in range(n) if indeg[v] == 0]
+  rank = priority if priority is not None else range(n)
+  heap = [(rank[v], v) for v in range(n) if indeg[v] == 0]
   heapq.heapify(heap)
   out = []
   while heap:
-    u = heapq.heappop(heap)
+    _, u = heapq.heappop(heap)
     out.append(u)
     for v in succs[u]:
       indeg[v] -= 1
       if indeg[v] == 0:
-        heapq.heappush(heap, v)
+        heapq.heappush(heap, (rank[v], v))
   if len(out) != n:
     stuck = min(v for v in range(n) if indeg[v] > 0)
     raise FormatError(

@@ -112,7 +112,7 @@ def values_in_hlo(
       roots = _fusion_roots(parts[called.group(1)].instructions) or roots
     roots_of[instruction.name] = roots
     reader = next((k for k in roots if k is not None), None)
-    for name in re.findall(r"%([\w.-]+)", instruction.rest.split(")", 1)[0]):
+    for name in instruction.operands:
       readers.setdefault(name, set()).add(reader)
   sizes: dict[int, int] = {}
   scratch: dict[int, int] = {}
@@ -154,8 +154,7 @@ def _fusion_roots(body: list[Instruction]) -> list[int | None]:
     roots = [_scope(root.line)]
   else:
     lines = {i.name: i.line for i in body}
-    operands = re.findall(r"%([\w.-]+)", root.rest.split(")", 1)[0])
-    roots = [_scope(lines.get(name, "")) for name in operands]
+    roots = [_scope(lines.get(name, "")) for name in root.operands]
   return roots if any(k is not None for k in roots) else []
 
 

@@ -39,6 +39,11 @@ class Instruction:
   line: str
 
   @property
+  def operands(self) -> list[str]:
+    """The names of the instructions it reads, in order."""
+    return re.findall(r"%([\w.-]+)", self.rest.split(")", 1)[0])
+
+  @property
   def is_root(self) -> bool:
     return self.line.lstrip().startswith("ROOT ")
 
