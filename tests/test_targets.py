@@ -24,7 +24,7 @@ from jaxremat._src import compat
 from jaxremat._src.analyze import load_graph, model_description
 from jaxremat._src.backends import backend_facts
 from jaxremat._src.demo import make_mlp_step
-from jaxremat._src.planner import _SEGMENT_SOLVERS
+from jaxremat._src.planner import _SEGMENT_SOLVERS, _UNDONE_SHARE
 from jaxremat._src.targets import (
   Target,
   TargetUnavailableError,
@@ -494,11 +494,11 @@ def test_cudnn_convolutions_count_as_convolutions_in_the_gpu_hlo():
 
 @pytest.mark.parametrize("example, name", [("gpt", "tpu-v5e"), ("mlp", "h100")])
 def test_a_plan_the_compiler_undoes_hands_over_to_segment_plans(example, name, tmp_path):
-  """The first plan from `auto` measures the original's peak, to within a tenth of the
-  saving the model predicted (the GPT example on TPU v5e, the MLP example on H100 at 0.9);
-  the planner then moves on to plans of whole segments instead of tightening `auto`'s, and
-  one of those meets the budget. Segment solvers that find nothing pass to the next one:
-  the least-peak plan (x3.2 FLOPs on the H100 MLP) comes only after all of them."""
+  """The first plan from `auto` realizes less than half of the saving the model predicted
+  (the GPT example on TPU v5e, the MLP example on H100 at 0.9: near the original's peak);
+  the planner then compiles plans of whole segments, shortest first, instead of
+  tightening `auto`'s, and one of those meets the budget. The least-peak plan (x3.2 FLOPs
+  on the H100 MLP) comes only after all of them."""
   import examples
 
   needs(name)
@@ -509,8 +509,24 @@ def test_a_plan_the_compiler_undoes_hands_over_to_segment_plans(example, name, t
   solved = [a for a in plan.attempts if a.origin == "solve"]
   first = solved[0]
   assert first.solver == "auto"
-  assert plan.baseline_peak_bytes - first.measured_peak_bytes < 0.1 * (
+  assert plan.baseline_peak_bytes - first.measured_peak_bytes < _UNDONE_SHARE * (
     plan.schedule.stats["optimize"]["predicted_baseline_peak_bytes"] - first.predicted_peak_bytes
   )
-  assert [a.solver for a in solved[1:]] == [solved[-1].solver]
-  assert solved[-1].solver in _SEGMENT_SOLVERS
+  assert all(a.solver in _SEGMENT_SOLVERS for a in solved[1:])
+
+
+def test_segment_plans_meet_half_the_gpt_step_on_h100(tmp_path):
+  """At 0.5 on H100 the model's best plans for the GPT example measure near the
+  original's peak; the plans of whole segments (from a checkpoint at every block, now
+  that the optimizer's nodes do not count as forward) meet it, at the FLOPs of about one
+  more forward pass."""
+  import examples
+
+  needs("h100")
+  step, args = examples.load("gpt").make_train_step()
+  options = dict(time_limit=120, target="h100", cache_dir=tmp_path, verify=False)
+  plan = jaxremat.optimize(step, budget=0.5, **options).plan(*args)
+  assert plan.measured_peak_bytes <= plan.budget_bytes
+  assert plan.schedule.solver in _SEGMENT_SOLVERS
+  baseline = jaxremat.measure(step, *args, runs=0, target="h100")
+  assert plan.measurement.flops < 1.3 * baseline.flops
