@@ -432,10 +432,8 @@ class _Loop:
     return met
 
   def try_least_peak(self) -> None:
-    """Once, before the deadline: the least-peak plan the model reaches (XLA may hold
-    less than the model)."""
-    out_of_time = self.tried and self.deadline.left_s() <= 0
-    if self.least_peak_tried or self.met or self.solves_left() <= 0 or out_of_time:
+    """Once: the least-peak plan the model reaches (XLA may hold less than the model)."""
+    if self.least_peak_tried or self.met or self.solves_left() <= 0:
       return
     self.least_peak_tried = True
     schedule = minimize_peak(self.solver_graph, "auto", time_limit=max(self.solve_time_s(), 0.5))
@@ -458,7 +456,8 @@ class _Loop:
 
   def run_segments(self) -> None:
     """Compiles plans of `_SEGMENT_SOLVERS` until one meets the budget, while compiles
-    are left and the deadline has not passed (the last compile may overrun it).
+    are left and the deadline has not passed (the last compile may overrun it). One
+    compile is left for the least-peak plan (`try_least_peak`).
 
     Each solver plans within `_SEGMENT_SLACK` over the budget at first, and the shortest
     plan is compiled. When XLA measures it over the budget, its solver plans next below
@@ -467,22 +466,24 @@ class _Loop:
     with one checkpoint per block predicted 43.5 MB, measured 41.9; with one more before
     the head, 41.4 and 38.2, within the budget of 39.0).
     """
-    graph, reserved = self.solver_graph, self.reserved_bytes
-    planning = dict.fromkeys(_SEGMENT_SOLVERS, int(self.budget_bytes * (1 + _SEGMENT_SLACK)))
+    graph = self.solver_graph
+    loose = int(self.budget_bytes * (1 + _SEGMENT_SLACK)) - self.reserved_bytes
+    planning = dict.fromkeys(_SEGMENT_SOLVERS, loose)  # in the solvers' graph
     limit_s = _SEGMENT_SHARE * self.opts.time_limit / len(_SEGMENT_SOLVERS)
     plans: dict[str, Schedule] = {}
-    while not self.met and self.solves_left() > 0:
+    while not self.met and self.solves_left() > 1:
       for name in [name for name in planning if name not in plans]:
         try:
-          plans[name] = solve(graph, planning[name] - reserved, name, time_limit=limit_s)
+          plans[name] = solve(graph, planning[name], name, time_limit=limit_s)
         except (InfeasibleBudgetError, NoScheduleFoundError) as e:
           logger.info("jaxremat: %s", e)
           del planning[name]
       if not plans or self.deadline.left_s() <= 0:
         return
       name = min(plans, key=lambda name: plans[name].stats["duration"])
-      self.try_schedule(plans.pop(name), "solve")
-      planning[name] = self.tried[-1].attempt.predicted_peak_bytes - 1
+      schedule = plans.pop(name)
+      self.try_schedule(schedule, "solve")
+      planning[name] = schedule.stats["peak_bytes"] - 1
 
   def run(self, solver: str) -> None:
     """Solves with ``solver`` and compiles; while XLA measures over budget, plans tighter.
