@@ -262,6 +262,30 @@ def test_ap_checkpoints_are_points_no_forward_edge_passes_over():
   assert checkpoint_candidates(g, g.order, "ap") == [3]
 
 
+def test_segments_cut_a_graph_with_skip_connections():
+  """A U-Net-shaped training chain: each encoder node also feeds its decoder twin, so no
+  articulation point separates the forward pass and Chen's plans find nothing at 0.9;
+  `segments` keeps what crosses its cuts (the skips among it) and recomputes the rest."""
+  n = 8
+  mem, edges, backward = [10] * n, [(i - 1, i) for i in range(1, n)], [False] * n
+  edges += [(i, n - 1 - i) for i in range(n // 2)]
+  prev = n - 1
+  for i in reversed(range(n)):
+    mem.append(10)
+    backward.append(True)
+    edges += [(prev, len(mem) - 1), (i, len(mem) - 1)]
+    prev = len(mem) - 1
+  data = RematGraph.build(mem, [1.0] * len(mem), edges, name="unet_chain").to_dict()
+  for node, flag in zip(data["nodes"], backward, strict=True):
+    node["backward"] = flag
+  g = RematGraph.from_dict(data)
+  for solver in ("chen-sqrtn-ap", "chen-greedy-ap", "chen-search-ap"):
+    with pytest.raises(NoScheduleFoundError):
+      jaxremat.solve(g, 0.9, solver)
+  s = jaxremat.solve(g, 0.9, "segments")
+  assert s.stats["n_recompute"] > 0 and s.stats["peak_bytes"] <= s.budget
+
+
 def test_chen_search_improves_on_both_rules():
   """`chen-search-ap` starts from the best set of Chen's two rules and toggles one
   checkpoint at a time: never longer than either rule, and shorter on a 12-layer training

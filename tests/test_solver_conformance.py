@@ -48,6 +48,7 @@ TIME_LIMIT_S = {
     "chen-sqrtn",
     "chen-sqrtn-ap",
     "chen-search-ap",
+    "segments",
   )
 }
 

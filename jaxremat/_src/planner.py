@@ -57,7 +57,7 @@ _REPLAN_MARGIN = 0.02
 # Planners whose plans recompute whole segments, which XLA's scheduler keeps as planned,
 # and how far over the budget the model may put such a plan for it to be tried: on H100
 # the model put them from 24% under XLA's peak (twremat, GPT example) to 35% over it
-# (griewank-ap, MLP example); a chen-greedy-ap plan for GPT, 8% over, met 0.5 there.
+# (griewank-ap, MLP example); a plan it put 6% over the GPT example's budget at 0.5 met it.
 _SEGMENT_SOLVERS = ("chen-search-ap", "griewank-ap", "twremat")
 _SEGMENT_SLACK = 0.15
 _SEGMENT_SHARE = 0.1  # of time_limit, for solving them
@@ -461,7 +461,7 @@ class _Loop:
 
     Each solver plans within `_SEGMENT_SLACK` over the budget at first, and the shortest
     plan is compiled. When XLA measures it over the budget, its solver plans next below
-    that plan's predicted peak, one plan down its own family: the model's error differs
+    that plan's peak, one plan down its own family: the model's error differs
     from solver to solver and from plan to plan (GPT example, H100, at 0.5: chen-search-ap
     with one checkpoint per block predicted 43.5 MB, measured 41.9; with one more before
     the head, 41.4 and 38.2, within the budget of 39.0).

@@ -78,6 +78,7 @@ _REGISTRY: dict[str, str] = {
   "griewank": "jaxremat._src.solvers.griewank:solve_griewank",
   "griewank-ap": "jaxremat._src.solvers.griewank:solve_griewank_ap",
   "reorder": "jaxremat._src.solvers.reorder:solve_reorder",
+  "segments": "jaxremat._src.solvers.segments:solve_segments",
   "twremat": "jaxremat._src.solvers.twremat:solve_twremat",
   "xla-greedy": "jaxremat._src.solvers.greedy:solve_xla_greedy",
   "moccasin": "jaxremat._src.solvers.moccasin:solve_moccasin",
