@@ -459,31 +459,35 @@ class _Loop:
     are left and the deadline has not passed (the last compile may overrun it). One
     compile is left for the least-peak plan (`try_least_peak`).
 
-    Each solver plans within `_SEGMENT_SLACK` over the budget at first, and the shortest
-    plan is compiled. When XLA measures it over the budget, its solver plans next below
-    that plan's peak, one plan down its own family: the model's error differs
-    from solver to solver and from plan to plan (GPT example, H100, at 0.5: chen-search-ap
-    with one checkpoint per block predicted 43.5 MB, measured 41.9; with one more before
-    the head, 41.4 and 38.2, within the budget of 39.0).
+    Each solver plans within the planning budget at first, or where it finds nothing there,
+    within `_SEGMENT_SLACK` over the budget; the shortest plan of all is compiled. When XLA
+    measures it over the budget, its solver plans next below that plan's peak, one plan
+    down its own family: the model's error differs from solver to solver and from plan to
+    plan (GPT example, H100, at 0.5: chen-search-ap with one checkpoint per block
+    predicted 43.5 MB, measured 41.9; with one more before the head, 41.4 and 38.2, within
+    the budget of 39.0).
     """
     graph = self.solver_graph
-    loose = int(self.budget_bytes * (1 + _SEGMENT_SLACK)) - self.reserved_bytes
-    planning = dict.fromkeys(_SEGMENT_SOLVERS, loose)  # in the solvers' graph
-    limit_s = _SEGMENT_SHARE * self.opts.time_limit / len(_SEGMENT_SOLVERS)
+    planning_bytes = self.budget_bytes - self.baseline_gap_bytes - self.reserved_bytes
+    loose_bytes = int(self.budget_bytes * (1 + _SEGMENT_SLACK)) - self.reserved_bytes
+    # Per solver, the budgets (in the solvers' graph) to plan within next, in turn.
+    planning = {name: sorted({planning_bytes, loose_bytes}) for name in _SEGMENT_SOLVERS}
+    limit_s = _SEGMENT_SHARE * self.opts.time_limit / (2 * len(_SEGMENT_SOLVERS))
     plans: dict[str, Schedule] = {}
     while not self.met and self.solves_left() > 1:
       for name in [name for name in planning if name not in plans]:
-        try:
-          plans[name] = solve(graph, planning[name], name, time_limit=limit_s)
-        except (InfeasibleBudgetError, NoScheduleFoundError) as e:
-          logger.info("jaxremat: %s", e)
-          del planning[name]
+        for budget_bytes in planning.pop(name):
+          try:
+            plans[name] = solve(graph, budget_bytes, name, time_limit=limit_s)
+            break
+          except (InfeasibleBudgetError, NoScheduleFoundError) as e:
+            logger.info("jaxremat: %s", e)
       if not plans or self.deadline.left_s() <= 0:
         return
       name = min(plans, key=lambda name: plans[name].stats["duration"])
       schedule = plans.pop(name)
       self.try_schedule(schedule, "solve")
-      planning[name] = schedule.stats["peak_bytes"] - 1
+      planning[name] = [schedule.stats["peak_bytes"] - 1]
 
   def run(self, solver: str) -> None:
     """Solves with ``solver`` and compiles; while XLA measures over budget, plans tighter.
