@@ -18,8 +18,8 @@ Two rules to place them:
 
 ``chen-search-ap`` starts from the best set of both rules and searches on: it adds or
 removes one checkpoint at a time while that shortens the schedule within budget (or brings
-it closer to the budget). On the GPT example for H100 at 0.7 it finds one checkpoint per
-block, x1.17 FLOPs, where the rules' best recomputes the last block and the head too.
+it closer to the budget). Its plan for the GPT example on H100 at 0.7 measured x0.691 of
+the peak at x1.112 FLOPs (benchmarks/README.md, "End to end on TPU v5e and H100").
 
 References:
   Chen, Xu, Zhang, Guestrin, "Training Deep Nets with Sublinear Memory Cost", 2016,
