@@ -150,9 +150,9 @@ def _candidates_run(
   order: Sequence[int],
   checkpoint_sets: Sequence[frozenset[int]],
   solver: str,
+  forward: set[int],
   deadline: float = math.inf,
 ) -> list[tuple[Schedule, SimulationResult]]:
-  forward = forward_nodes(graph)
   out = []
   for checkpoints in dict.fromkeys(checkpoint_sets):
     if time.perf_counter() > deadline:
@@ -176,9 +176,10 @@ def greedy_checkpoints(
   candidates: Sequence[int],
   order: Sequence[int],
   segment_bytes: float,
+  forward: set[int],
 ) -> frozenset[int]:
-  """Chen's greedy rule: a checkpoint at the first candidate after ``segment_bytes`` accrue."""
-  forward = forward_nodes(graph)
+  """Chen's greedy rule: a checkpoint at the first ``forward`` candidate after
+  ``segment_bytes`` accrue."""
   is_candidate = set(candidates)
   chosen, accrued = [], 0
   for v in order:
@@ -192,7 +193,11 @@ def greedy_checkpoints(
 
 
 def _rule_sets(
-  graph: RematGraph, order: Sequence[int], candidates: Sequence[int], rule: str
+  graph: RematGraph,
+  order: Sequence[int],
+  candidates: Sequence[int],
+  rule: str,
+  forward: set[int],
 ) -> tuple[list[frozenset[int]], str]:
   """The checkpoint sets a rule tries (``"sqrtn"`` or ``"greedy"``), and what they are."""
   if rule == "sqrtn":
@@ -202,11 +207,11 @@ def _rule_sets(
       key=lambda s: (s != root, s),
     )
     return [sqrtn_checkpoints(candidates, s) for s in spacings], f"checkpoint spacings {spacings}"
-  forward_bytes = sum(graph.mem[v] for v in order if v in forward_nodes(graph))
+  forward_bytes = sum(graph.mem[v] for v in order if v in forward)
   smallest = max(1, min((graph.mem[v] for v in candidates), default=1))
   ratio = (max(forward_bytes, smallest) / smallest) ** (1 / _SEGMENT_BUDGET_STEPS)
   budgets = [smallest * ratio**k for k in range(_SEGMENT_BUDGET_STEPS + 1)]
-  sets = [greedy_checkpoints(graph, candidates, order, b) for b in budgets]
+  sets = [greedy_checkpoints(graph, candidates, order, b, forward) for b in budgets]
   return sets, f"{len(set(sets))} segment budgets"
 
 
@@ -224,16 +229,17 @@ def _solve(
   deadline = time.perf_counter() + time_limit_s
   order = resolve_order(graph, order)
   candidates = checkpoint_candidates(graph, order, variant)
+  forward = forward_nodes(graph)
   sets, whats = [], []
   for rule in rules:
-    rule_sets, what = _rule_sets(graph, order, candidates, rule)
+    rule_sets, what = _rule_sets(graph, order, candidates, rule, forward)
     sets += rule_sets
     whats.append(what)
   what = f"{' and '.join(whats)} over {len(candidates)} {variant} candidates"
-  tried = _candidates_run(graph, order, sets, solver, deadline)
+  tried = _candidates_run(graph, order, sets, solver, forward, deadline)
   if not (search and tried):
     return pick_best(tried, budget_bytes, solver, what)
-  found = _search(graph, order, candidates, tried, budget_bytes, solver, deadline)
+  found = _search(graph, order, candidates, forward, tried, budget_bytes, solver, deadline)
   best = pick_best([*tried, found], budget_bytes, solver, what + ", then a local search")
   by_search = best.computes == found[0].computes and found[0].stats.get("searched")
   found_by = f"{solver} ({'local search' if by_search else 'rules'})"
@@ -244,6 +250,7 @@ def _search(
   graph: RematGraph,
   order: Sequence[int],
   candidates: Sequence[int],
+  forward: set[int],
   tried: Sequence[tuple[Schedule, SimulationResult]],
   budget_bytes: int,
   solver: str,
@@ -251,7 +258,6 @@ def _search(
 ) -> tuple[Schedule, SimulationResult]:
   """Local search over checkpoint sets from the best of ``tried``: one checkpoint added or
   removed at a time, kept while it lowers (bytes over budget, duration)."""
-  forward = forward_nodes(graph)
 
   def key(result: SimulationResult) -> tuple[int, float]:
     return (max(0, result.peak_bytes - budget_bytes), result.duration)
