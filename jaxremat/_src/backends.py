@@ -53,6 +53,13 @@ class BackendFacts:
       out, by its own loop fusion or as a second output of the reduction's multi-output
       fusion. Both measured on deviceless compiles for TPU v5e/v4/v6e and H100
       (tests/test_targets.py); tests/test_backends.py checks it on whichever backend runs.
+    pool_gradient_buffers_at_start: whether a max pool's gradient (``select_and_scatter_add``)
+      takes buffers made at the program start: XLA:CPU lowers it to a reduce-window that
+      carries argmax iotas and a scatter into zeros, both with constant operands, so
+      scheduled first (`trace._pool_gradient_buffers`). TPU runs it as one op; GPU
+      computes the iotas inside the pool's fusion: the model with those buffers put a max
+      pool's gradient for H100 at 28 MiB, which its compiler measured at 13 MiB
+      (tests/test_targets.py).
   """
 
   platform: str
@@ -61,6 +68,7 @@ class BackendFacts:
   device_memory_stats: bool
   tolerances: Mapping[str, tuple[float, float]]
   reductions_duplicate_producers: bool
+  pool_gradient_buffers_at_start: bool
 
   def tolerance(self, dtype: object) -> tuple[float, float]:
     """(rtol, atol) for arrays of ``dtype``; (0, 0) for integers, booleans and keys."""
@@ -72,10 +80,10 @@ _FACTS = {
   # XLA:CPU needs a data-dependent fence: "select" held on every schedule of
   # benchmarks/emit.py and stayed closest to the planned peak ("cond" copies every routed
   # value at once).
-  "cpu": BackendFacts("cpu", "select", False, False, _CPU_TOLERANCES, False),
+  "cpu": BackendFacts("cpu", "select", False, False, _CPU_TOLERANCES, False, True),
   # The barrier holds on GPU and TPU, and a cond would cost a host round trip there.
-  "gpu": BackendFacts("gpu", "barrier", True, True, _GPU_TOLERANCES, False),
-  "tpu": BackendFacts("tpu", "barrier", True, True, _TPU_TOLERANCES, True),
+  "gpu": BackendFacts("gpu", "barrier", True, True, _GPU_TOLERANCES, False, False),
+  "tpu": BackendFacts("tpu", "barrier", True, True, _TPU_TOLERANCES, True, False),
 }
 
 

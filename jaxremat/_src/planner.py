@@ -58,7 +58,8 @@ _REPLAN_MARGIN = 0.02
 # and how far over the budget the model may put such a plan for it to be tried: on H100
 # the model put them from 24% under XLA's peak (twremat, GPT example) to 35% over it
 # (griewank-ap, MLP example); a plan it put 6% over the GPT example's budget at 0.5 met it.
-_SEGMENT_SOLVERS = ("chen-search-ap", "griewank-ap", "twremat")
+# `segments` cuts graphs with skip connections (U-Net) where articulation points are few.
+_SEGMENT_SOLVERS = ("chen-search-ap", "segments", "griewank-ap", "twremat")
 _SEGMENT_SLACK = 0.15
 _SEGMENT_SHARE = 0.1  # of time_limit, for solving them
 # A plan of which XLA realized less than this share of the saving the model predicted
@@ -460,10 +461,12 @@ class _Loop:
     compile is left for the least-peak plan (`try_least_peak`).
 
     Each solver plans within the planning budget at first, or where it finds nothing there,
-    within `_SEGMENT_SLACK` over the budget; the shortest plan of all is compiled. When XLA
-    measures it over the budget, its solver plans next below that plan's peak, one plan
-    down its own family: the model's error differs from solver to solver and from plan to
-    plan (GPT example, H100, at 0.5: chen-search-ap with one checkpoint per block
+    within `_SEGMENT_SLACK` over the budget. Families take turns, the one compiled least
+    often first, the shortest plan among equals: on the U-Net example for H100 at 0.7,
+    chen-search-ap's plans took four compiles in a row and missed, where `segments` meets
+    it. When XLA measures a plan over the budget, its solver plans next below that plan's
+    peak, one plan down its own family: the model's error differs from solver to solver
+    and from plan to plan (GPT example, H100, at 0.5: chen-search-ap with one checkpoint per block
     predicted 43.5 MB, measured 41.9; with one more before the head, 41.4 and 38.2, within
     the budget of 39.0).
     """
@@ -474,6 +477,7 @@ class _Loop:
     planning = {name: sorted({planning_bytes, loose_bytes}) for name in _SEGMENT_SOLVERS}
     limit_s = _SEGMENT_SHARE * self.opts.time_limit / (2 * len(_SEGMENT_SOLVERS))
     plans: dict[str, Schedule] = {}
+    compiles = dict.fromkeys(_SEGMENT_SOLVERS, 0)
     while not self.met and self.solves_left() > 1:
       for name in [name for name in planning if name not in plans]:
         for budget_bytes in planning.pop(name):
@@ -484,7 +488,8 @@ class _Loop:
             logger.info("jaxremat: %s", e)
       if not plans or self.deadline.left_s() <= 0:
         return
-      name = min(plans, key=lambda name: plans[name].stats["duration"])
+      name = min(plans, key=lambda name: (compiles[name], plans[name].stats["duration"]))
+      compiles[name] += 1
       schedule = plans.pop(name)
       self.try_schedule(schedule, "solve")
       planning[name] = [schedule.stats["peak_bytes"] - 1]

@@ -502,13 +502,16 @@ def measure_facts(target: str | Target | None = None) -> dict[str, bool]:
     ``lax.optimization_barrier``, is still computed twice (not merged by CSE).
   - ``reductions_duplicate_producers``: a product read by a column sum and by another
     fusion is computed inside the sum's fusion too, not read from memory.
+  - ``pool_gradient_buffers_at_start``: a max pool's gradient takes argmax iotas of its
+    own (each the whole of a fused computation, so made with no operands at the start),
+    not computed inside the pool's fusion.
 
   `BackendFacts` states what jaxremat expects of each platform; the tests and
   ``jaxremat targets`` compare the two.
 
   Example:
-    >>> measure_facts("cpu")
-    {'barrier_holds': False, 'reductions_duplicate_producers': False}
+    >>> sorted(fact for fact, holds in measure_facts("cpu").items() if holds)
+    ['pool_gradient_buffers_at_start']
   """
   target = get_target(target)
   x = jax.ShapeDtypeStruct((256, 64), np.float32)
@@ -522,8 +525,15 @@ def measure_facts(target: str | Target | None = None) -> dict[str, bool]:
   def shared(x, y):
     return jnp.sum(x * y, axis=0), x * y - 2.0
 
+  def pooled(images):
+    window = (1, 2, 2, 1)  # TPU pools only over major dimensions
+    pooled = jax.lax.reduce_window(images, -jnp.inf, jax.lax.max, window, window, "VALID")
+    return jnp.sum(pooled * pooled)
+
   barrier_hlo = compile_for(target, recomputed, x).as_text()
   shared_hlo = compile_for(target, shared, x, x).as_text()
+  images = jax.ShapeDtypeStruct((2, 32, 32, 8), np.float32)
+  pool_hlo = compile_for(target, jax.grad(pooled), images).as_text()
   products = count_hlo_ops(barrier_hlo)
   reducing = [
     {i.opcode for i in c.instructions}
@@ -533,6 +543,9 @@ def measure_facts(target: str | Target | None = None) -> dict[str, bool]:
   return {
     "barrier_holds": products.get("dot", 0) + products.get("convolution", 0) == 2,
     "reductions_duplicate_producers": any("multiply" in ops for ops in reducing),
+    "pool_gradient_buffers_at_start": any(
+      {i.opcode for i in c.instructions} == {"iota"} for c in computations(pool_hlo).values()
+    ),
   }
 
 
@@ -552,7 +565,8 @@ def facts_report(names: Sequence[str] | None = None) -> tuple[str, bool]:
   lines = [
     f"jaxremat targets ({versions})",
     f"{'target':9} {'device':24} {'compiles':11} {'fence':8} {'barrier holds':22} "
-    f"{'reductions duplicate producers':32} peak flop/s, byte/s",
+    f"{'reductions duplicate producers':32} {'pool gradient buffers at start':32} "
+    "peak flop/s, byte/s",
   ]
   all_match = True
   for name in names or available_targets():
@@ -575,7 +589,7 @@ def facts_report(names: Sequence[str] | None = None) -> tuple[str, bool]:
     )
     lines.append(
       f"{name:9} {target.device_kind[:24]:24} {'here' if target.local else 'deviceless':11} "
-      f"{target.facts.fence:8} {cells[0]:22} {cells[1]:32} {rates}"
+      f"{target.facts.fence:8} {cells[0]:22} {cells[1]:32} {cells[2]:32} {rates}"
     )
   return "\n".join(lines), all_match
 

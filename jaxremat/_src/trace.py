@@ -958,8 +958,9 @@ def build_program(
   if fold and model == "compiler":
     donated = () if signature is None else signature.donated_leaves
     compiled = hlo_model.compiled_values(closed, target, donated)
+  facts = backend_facts(platform)
   groups, duplicated, epilogues, materialized = _group_equations(
-    jaxpr, fold, backend_facts(platform).reductions_duplicate_producers, compiled
+    jaxpr, fold, facts.reductions_duplicate_producers, compiled
   )
   producer: dict[Any, int] = {}
   for i, v in enumerate([*jaxpr.invars, *jaxpr.constvars]):
@@ -1031,7 +1032,11 @@ def build_program(
         None if compiled is None else compiled.scratch,
       )
     )
-  iotas, indices, hoisted = _pool_gradient_buffers(jaxpr, groups)
+  iotas, indices, hoisted = (
+    _pool_gradient_buffers(jaxpr, groups)
+    if facts.pool_gradient_buffers_at_start
+    else ({}, {}, set())
+  )
   for g, extra in iotas.items():
     node = nodes[n_in + g]
     scratch = node.attrs.get("workspace_bytes", 0) + indices[g]
