@@ -298,6 +298,24 @@ def test_chen_search_improves_on_both_rules():
   assert searched.stats["peak_bytes"] <= searched.budget
 
 
+def test_chen_search_starts_from_what_dots_saveable_keeps():
+  """`chen-search-ap` also starts from the forward products, the set `jax.checkpoint`'s
+  ``dots_saveable`` keeps: on the GPT example's step at 0.75 that set recomputes only
+  cheap elementwise work, 5% more than no remat, where the best articulation-point plan of
+  Chen's rules and the search from it costs 8% more."""
+  import examples
+
+  step, args = examples.load("gpt").make_train_step()
+  g = jaxremat.trace_program(step, *args, costs="shape").graph
+  no_remat = baseline(g)
+  budget = int(0.75 * no_remat.peak_bytes)
+  searched = jaxremat.solve(g, budget, "chen-search-ap")
+  rules = [jaxremat.solve(g, budget, name) for name in ("chen-sqrtn-ap", "chen-greedy-ap")]
+  assert searched.stats["peak_bytes"] <= budget
+  assert searched.stats["duration"] < 1.06 * no_remat.duration
+  assert min(s.stats["duration"] for s in rules) > 1.07 * no_remat.duration
+
+
 def test_optimizer_nodes_are_not_forward_nodes():
   """A training step's optimizer nodes are neither forward nor backward: a step counter
   that reads only an input, run first as XLA:GPU schedules it, and an update that reads the

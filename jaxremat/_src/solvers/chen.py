@@ -16,9 +16,10 @@ Two rules to place them:
   * ``chen-greedy``: Chen's greedy rule, a checkpoint whenever the bytes accumulated since
     the last one pass a segment budget; the segment budget is searched.
 
-``chen-search-ap`` starts from the best set of both rules and searches on: it adds or
-removes one checkpoint at a time while that shortens the schedule within budget (or brings
-it closer to the budget). Its plan for the GPT example on H100 at 0.7 measured x0.691 of
+``chen-search-ap`` starts from the best set of both rules, and of the set that
+``jax.checkpoint``'s ``dots_saveable`` policy keeps (every forward product and
+convolution), and searches on: it adds or removes one checkpoint at a time while that
+shortens the schedule within budget (or brings it closer to the budget). Its plan for the GPT example on H100 at 0.7 measured x0.691 of
 the peak at x1.112 FLOPs (benchmarks/README.md, "End to end on TPU v5e and H100").
 
 References:
@@ -43,6 +44,7 @@ from jaxremat._src.solvers.reorder import resolve_order
 from jaxremat._src.solvers.replay import Replay, SequenceTooLongError, evaluate, pick_best
 
 _SEGMENT_BUDGET_STEPS = 40  # geometric grid of Chen's segment budgets tried
+_DOTS = frozenset({"dot_general", "conv_general_dilated"})  # what `dots_saveable` saves
 
 
 def forward_nodes(graph: RematGraph) -> set[int]:
@@ -199,7 +201,11 @@ def _rule_sets(
   rule: str,
   forward: set[int],
 ) -> tuple[list[frozenset[int]], str]:
-  """The checkpoint sets a rule tries (``"sqrtn"`` or ``"greedy"``), and what they are."""
+  """The checkpoint sets a rule tries (``"sqrtn"``, ``"greedy"`` or ``"dots"``), and what
+  they are."""
+  if rule == "dots":
+    dots = frozenset(v for v in order if v in forward and _DOTS & _primitives(graph, v))
+    return [dots], "the forward products"
   if rule == "sqrtn":
     root = max(1, round(math.sqrt(len(candidates))))
     spacings = sorted(
@@ -213,6 +219,11 @@ def _rule_sets(
   budgets = [smallest * ratio**k for k in range(_SEGMENT_BUDGET_STEPS + 1)]
   sets = [greedy_checkpoints(graph, candidates, order, b, forward) for b in budgets]
   return sets, f"{len(set(sets))} segment budgets"
+
+
+def _primitives(graph: RematGraph, v: int) -> set[str]:
+  attrs = graph.nodes[v].attrs
+  return {attrs.get("primitive"), *attrs.get("fused", ())}
 
 
 def _solve(
@@ -321,11 +332,12 @@ def solve_chen_greedy_ap(
 def solve_chen_search_ap(
   graph: RematGraph, budget_bytes: int, *, order=None, time_limit_s: float = 60.0, **_
 ) -> Schedule:
-  """Checkpoints over articulation points: the best set of both of Chen's rules, then a
-  local search that adds or removes one checkpoint at a time.
+  """Checkpoints over articulation points: the best set of both of Chen's rules and of the
+  forward products (`dots_saveable`'s), then a local search that adds or removes one
+  articulation point at a time.
 
   Raises:
     NoScheduleFoundError: no set found meets the budget.
   """
-  rules = ("sqrtn", "greedy")
+  rules = ("sqrtn", "greedy", "dots")
   return _solve(graph, budget_bytes, "chen-search-ap", rules, "ap", order, time_limit_s, True)
