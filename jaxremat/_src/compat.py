@@ -21,6 +21,7 @@ except ImportError:  # pragma: no cover - older jax
 from jax._src import dtypes as _dtypes
 from jax._src import source_info_util as _source_info_util
 from jax._src.core import ShapedArray as _ShapedArray
+from jax._src.core import Tracer
 
 __all__ = [
   "ClosedJaxpr",
@@ -28,6 +29,7 @@ __all__ = [
   "Jaxpr",
   "JaxprEqn",
   "Literal",
+  "Tracer",
   "Var",
   "abstract_value",
   "aval_bytes",
