@@ -540,19 +540,18 @@ def test_a_plan_the_compiler_undoes_hands_over_to_segment_plans(example, name, t
   assert all(a.solver in _SEGMENT_SOLVERS for a in solved[1:])
 
 
-def test_segment_plans_meet_half_the_gpt_step_on_h100(tmp_path):
-  """At 0.5 on H100 `auto`'s plans for the GPT example measure near the original's peak;
-  plans of whole segments meet the budget (x0.496 at x1.245 FLOPs measured): a checkpoint
-  per block and one before the head, found once the optimizer's nodes no longer count as
-  forward nodes, one plan down chen-search-ap's family after XLA measured the first one
-  over the budget."""
+def test_segment_plans_meet_the_unet_step_on_h100(tmp_path):
+  """The U-Net example's skip connections leave no articulation point between its blocks.
+  At 0.7 on H100, `auto`'s plan measures near the original's peak; `segments` (what
+  crosses each cut kept) planned at 7.64 MiB measured 9.17 (budget 8.27), and planned
+  below it by that excess, 7.26 (x0.615 of the peak)."""
   import examples
 
   needs("h100")
-  step, args = examples.load("gpt").make_train_step()
+  step, args = examples.load("unet").make_train_step()
   options = dict(time_limit=120, target="h100", cache_dir=tmp_path, verify=False)
-  plan = jaxremat.optimize(step, budget=0.5, **options).plan(*args)
+  plan = jaxremat.optimize(step, budget=0.7, **options).plan(*args)
   assert plan.measured_peak_bytes <= plan.budget_bytes
   assert plan.schedule.solver in _SEGMENT_SOLVERS
   baseline = jaxremat.measure(step, *args, runs=0, target="h100")
-  assert plan.measurement.flops < 1.3 * baseline.flops
+  assert plan.measurement.flops < 1.2 * baseline.flops

@@ -461,14 +461,12 @@ class _Loop:
     compile is left for the least-peak plan (`try_least_peak`).
 
     Each solver plans within the planning budget at first, or where it finds nothing there,
-    within `_SEGMENT_SLACK` over the budget. Families take turns, the one compiled least
-    often first, the shortest plan among equals: on the U-Net example for H100 at 0.7,
-    chen-search-ap's plans took four compiles in a row and missed, where `segments` meets
-    it. When XLA measures a plan over the budget, its solver plans next below that plan's
-    peak, one plan down its own family: the model's error differs from solver to solver
-    and from plan to plan (GPT example, H100, at 0.5: chen-search-ap with one checkpoint per block
-    predicted 43.5 MB, measured 41.9; with one more before the head, 41.4 and 38.2, within
-    the budget of 39.0).
+    within `_SEGMENT_SLACK` over the budget; the shortest plan of all is compiled. When XLA
+    measures it over the budget, its solver plans next below that plan's peak by what XLA
+    measured beyond the budget (`next_planning_budget`), or where it finds nothing there,
+    one plan down its own family: the model's error differs from solver to solver and from
+    plan to plan. On the U-Net example for H100 at 0.7, `segments` planned at 7.64 MiB
+    measured 9.17 (budget 8.27); planned 0.9 MiB lower, 7.26.
     """
     graph = self.solver_graph
     planning_bytes = self.budget_bytes - self.baseline_gap_bytes - self.reserved_bytes
@@ -477,7 +475,6 @@ class _Loop:
     planning = {name: sorted({planning_bytes, loose_bytes}) for name in _SEGMENT_SOLVERS}
     limit_s = _SEGMENT_SHARE * self.opts.time_limit / (2 * len(_SEGMENT_SOLVERS))
     plans: dict[str, Schedule] = {}
-    compiles = dict.fromkeys(_SEGMENT_SOLVERS, 0)
     while not self.met and self.solves_left() > 1:
       for name in [name for name in planning if name not in plans]:
         for budget_bytes in planning.pop(name):
@@ -488,11 +485,17 @@ class _Loop:
             logger.info("jaxremat: %s", e)
       if not plans or self.deadline.left_s() <= 0:
         return
-      name = min(plans, key=lambda name: (compiles[name], plans[name].stats["duration"]))
-      compiles[name] += 1
+      name = min(plans, key=lambda name: plans[name].stats["duration"])
       schedule = plans.pop(name)
       self.try_schedule(schedule, "solve")
-      planning[name] = [schedule.stats["peak_bytes"] - 1]
+      last = self.tried[-1].attempt
+      below = next_planning_budget(
+        loose_bytes + self.reserved_bytes,
+        last.predicted_peak_bytes,
+        last.measured_peak_bytes,
+        self.budget_bytes,
+      )
+      planning[name] = sorted({below - self.reserved_bytes, schedule.stats["peak_bytes"] - 1})
 
   def run(self, solver: str) -> None:
     """Solves with ``solver`` and compiles; while XLA measures over budget, plans tighter.

@@ -1092,6 +1092,8 @@ def build_program(
   for g in hoisted:
     node = nodes[n_in + g]
     nodes[n_in + g] = dataclasses.replace(node, attrs={**node.attrs, "allocated_at_start": True})
+  for v in _constants(n_in, len(nodes), edges):
+    nodes[v] = dataclasses.replace(nodes[v], attrs={**nodes[v].attrs, "constant": True})
   node_eqns = [() for _ in range(n_in)] + [tuple(g) for g in groups]
   if workspace:
     nodes, edges, outputs, node_eqns, node_outvars = _add_workspace_nodes(
@@ -1129,6 +1131,21 @@ def build_program(
     outputs=output_split,
     baseline=None if compiled is None else compiled.measurement,
   )
+
+
+def _constants(n_in: int, n_nodes: int, edges: set[tuple[int, int]]) -> set[int]:
+  """Equation nodes that read no input, even indirectly (a causal mask, a broadcast
+  scalar): constants of the program, which solvers may hold or remake at any time."""
+  succs: dict[int, list[int]] = {}
+  for u, w in edges:
+    succs.setdefault(u, []).append(w)
+  reached, stack = set(range(n_in)), list(range(n_in))
+  while stack:
+    for w in succs.get(stack.pop(), ()):
+      if w not in reached:
+        reached.add(w)
+        stack.append(w)
+  return set(range(n_in, n_nodes)) - reached
 
 
 def _compiled_order(

@@ -55,17 +55,16 @@ def forward_nodes(graph: RematGraph) -> set[int]:
   A training step also holds nodes that are neither: the optimizer's update reads the
   gradients, and its step count reads only an input. XLA schedules them where it likes
   (the count first, on the H100 GPT step), and counted as forward they reach over every
-  segment boundary, leaving no checkpoint to place. So do values that no input reaches
-  and that hold no buffer (a causal mask, a broadcast scalar: XLA makes them inside each
-  reader): merged into one node per value (`trace.flatten_jaxpr`), each is read by every
-  block.
+  segment boundary, leaving no checkpoint to place. So do the program's constants (a
+  causal mask, a broadcast scalar: nodes `trace` marks ``constant``): merged into one
+  node per value (`trace.flatten_jaxpr`), each is read by every block.
   """
   backward = [node.id for node in graph.nodes if node.attrs.get("backward")]
   if not any("backward" in node.attrs for node in graph.nodes):
     return set(graph.order)
   read_by_backward = _reach(backward, graph.compute_preds)
   reads_backward = _reach(backward, graph.succs)
-  constant = {v for v in set(graph.order) - _reach(graph.inputs, graph.succs) if not graph.mem[v]}
+  constant = {v for v in graph.order if graph.nodes[v].attrs.get("constant")}
   forward = read_by_backward - reads_backward - set(backward) - set(graph.inputs) - constant
   # A graph whose marked backward nodes read no forward value: its unmarked nodes.
   return forward or {n.id for n in graph.nodes if not n.attrs.get("backward")} - set(graph.inputs)
