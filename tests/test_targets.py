@@ -477,6 +477,26 @@ def test_max_pool_gradients_take_no_start_buffers_off_cpu(name):
   assert abs(predicted - measured) <= 0.10 * measured
 
 
+def test_values_written_out_converted_are_kept():
+  """XLA:TPU writes each backward cotangent of a float32 MLP out of its fusion as an
+  unnamed bfloat16 `convert` for the next product. Read as never kept, the cotangents were
+  duplicated into their readers: the last bias gradient read all 16 activations, and the
+  model put its smallest feasible peak at 29.5 MiB, over what XLA measured for plans."""
+  import examples
+  from examples import _common
+
+  needs("tpu-v5e")
+  module = examples.load("mlp")
+  params, batch = _common.example_args(module, depth=6)
+  step, args = _common.make_train_step(module.loss, params, batch)
+  graph = jaxremat.trace_program(step, *args, costs="shape", target="tpu-v5e").graph
+  tanh = {v for v, n in enumerate(graph.nodes) if n.attrs.get("primitive") == "tanh"}
+  cotangents = [v for v, n in enumerate(graph.nodes) if n.attrs.get("primitive") == "add_any"]
+  assert len(tanh) == 6 and cotangents
+  assert all(graph.mem[v] > 0 for v in cotangents)
+  assert max(len(tanh.intersection(graph.preds[v])) for v in range(graph.n)) <= 2
+
+
 def test_the_compiler_model_counts_tpu_tile_padding():
   """TPU pads minor dimensions to (8, 128) tiles: the Flax CNN's 32- and 64-channel
   activations take 2-4x their bytes there. Sized from their avals the model predicted 0.27

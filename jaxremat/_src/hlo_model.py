@@ -7,7 +7,8 @@ answers instead: the step's flat jaxpr is compiled for the target with each equa
 under a `jax.named_scope` of its own, which XLA keeps in every instruction's ``op_name``
 metadata (TARGETS.md). An equation is materialized when a top-level instruction of the
 entry computation (a fusion, a custom call, a copy, ...) has it as its root, or as one of
-the roots of a multi-output fusion.
+the roots of a multi-output fusion, itself or through conversions that only change how the
+value is stored.
 
 Sizes come from the same program: each kept value's bytes are its instruction's shape as
 the target lays it out (TPU pads minor dimensions to (8, 128) tiles), each argument's bytes
@@ -43,6 +44,8 @@ _CALLS = re.compile(r"calls=%([\w.-]+)")
 # Instructions that hold no buffer of their own.
 _NO_BUFFER: Final = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "constant"})
 _PARAMETER = re.compile(r"parameter\((\d+)\)")
+# Instructions that hold their operand's value in another dtype or layout.
+_STORAGE_ONLY: Final = frozenset({"convert", "copy", "bitcast", "reshape", "bitcast-convert"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,12 +153,25 @@ def _fusion_roots(body: list[Instruction]) -> list[int | None]:
   root = next((i for i in body if i.is_root), None)
   if root is None:
     return []
-  if root.opcode != "tuple":
-    roots = [_scope(root.line)]
-  else:
-    lines = {i.name: i.line for i in body}
-    roots = [_scope(lines.get(name, "")) for name in root.operands]
+  by_name = {i.name: i for i in body}
+  outputs = [by_name.get(name) for name in root.operands] if root.opcode == "tuple" else [root]
+  roots = [_value_scope(i, by_name) for i in outputs]
   return roots if any(k is not None for k in roots) else []
+
+
+def _value_scope(instruction: Instruction | None, by_name: dict[str, Instruction]) -> int | None:
+  """The equation whose value ``instruction`` holds: its own scope, or through unnamed
+  conversions that only change how the value is stored. XLA:TPU writes a float32
+  cotangent out of its fusion as an unnamed bfloat16 ``convert`` for the next product
+  (the MLP example's backward pass); without this the value read as never kept, and its
+  readers as reading the whole chain of cotangents before it."""
+  while instruction is not None:
+    found = _scope(instruction.line)
+    if found is not None or instruction.opcode not in _STORAGE_ONLY:
+      return found
+    operands = instruction.operands
+    instruction = by_name.get(operands[0]) if len(operands) == 1 else None
+  return None
 
 
 def _scope(line: str) -> int | None:

@@ -472,7 +472,7 @@ class _Loop:
     planning_bytes = self.budget_bytes - self.baseline_gap_bytes - self.reserved_bytes
     loose_bytes = int(self.budget_bytes * (1 + _SEGMENT_SLACK)) - self.reserved_bytes
     # Per solver, the budgets (in the solvers' graph) to plan within next, in turn.
-    planning = {name: sorted({planning_bytes, loose_bytes}) for name in _SEGMENT_SOLVERS}
+    planning = {name: _positive({planning_bytes, loose_bytes}) for name in _SEGMENT_SOLVERS}
     limit_s = _SEGMENT_SHARE * self.opts.time_limit / (2 * len(_SEGMENT_SOLVERS))
     plans: dict[str, Schedule] = {}
     while not self.met and self.solves_left() > 1:
@@ -495,7 +495,7 @@ class _Loop:
         last.measured_peak_bytes,
         self.budget_bytes,
       )
-      planning[name] = sorted({below - self.reserved_bytes, schedule.stats["peak_bytes"] - 1})
+      planning[name] = _positive({below - self.reserved_bytes, schedule.stats["peak_bytes"] - 1})
 
   def run(self, solver: str) -> None:
     """Solves with ``solver`` and compiles; while XLA measures over budget, plans tighter.
@@ -535,6 +535,12 @@ class _Loop:
       planning = next_planning_budget(
         planning, last.predicted_peak_bytes, last.measured_peak_bytes, self.budget_bytes
       )
+
+
+def _positive(budgets_bytes: set[int]) -> list[int]:
+  """The budgets a solver can be asked for, in increasing order: far over the budget in
+  XLA, a planning budget may fall below zero."""
+  return sorted(b for b in budgets_bytes if b > 0)
 
 
 def next_planning_budget(
