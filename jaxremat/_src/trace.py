@@ -54,8 +54,8 @@ class Program:
       read from text.
     outputs: which output leaves are the jaxpr's outvars and which static values are
       returned as they are; None for a jaxpr read from text.
-    baseline: the target compiler's figures for the program as traced, with its
-      donation, where tracing compiled it (``model="compiler"``); else None.
+    baseline: the target compiler's figures for the step, with its donation, where
+      tracing compiled it (``model="compiler"``); else None.
   """
 
   jaxpr: Any
@@ -163,7 +163,7 @@ def trace_program(
       compiler's fusion facts group the equations and its cost analysis costs them
       (compiled deviceless, with its published peak rates, where it has no devices here).
     model: which equations keep a buffer, by ``"rules"`` (fusion rules measured on
-      XLA:CPU) or ``"compiler"`` (the target compiler's optimized HLO of the step, one
+      XLA:CPU) or ``"compiler"`` (the target compiler's optimized HLO of the step, a
       compile that also gives `Program.baseline`, `hlo_model`: which values it keeps,
       their bytes as the target lays them out, its scratch copies, and its schedule's
       order as the graph's); ``"auto"``: the compiler for a target without devices here
