@@ -404,8 +404,9 @@ def test_peak_rates_are_published_figures_or_read_from_a_gpu_config():
 @pytest.mark.parametrize("name", ["tpu-v5e", "h100"])
 def test_the_target_compiler_decides_what_the_graph_keeps(name):
   """For a target without devices here the graph is grouped by what its compiler
-  materializes (`hlo_model`), and the program's baseline is the step's own compile. On the GPT example's step the XLA:CPU fusion rules overstate
-  the TPU v5e peak by 73% and the H100 one by 35%; the compiler's model is within 10%."""
+  materializes (`hlo_model`), and the program's baseline is the step's own compile. On
+  the GPT example's step the XLA:CPU fusion rules overstate the TPU v5e peak by 73% and
+  the H100 one by 35%; the compiler's model is within 10%."""
   import examples
   from examples import _common
   from jaxremat._src.trace import xla_accounted_peak_bytes

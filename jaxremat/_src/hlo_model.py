@@ -66,7 +66,7 @@ def compiled_values(
   """Which values of flat ``closed`` the compiler keeps, read from its optimized program.
 
   Args:
-    closed: a flat ``ClosedJaxpr`` (`trace.flatten_jaxpr`'s output).
+    closed: a flat ``ClosedJaxpr`` (the first output of `trace.flatten_jaxpr`).
     target: the compiler (`jaxremat.get_target`; None: this machine's).
     donate_argnums: the donated inputs, so that the measurement is the step's own.
   """

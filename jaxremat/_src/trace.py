@@ -209,7 +209,7 @@ def trace_program(
     traced = jax.make_jaxpr(flat_fn)(*signature.specs)
   except jax.errors.ConcretizationTypeError as e:
     raise UnsupportedError(MSG_CONCRETE.format(name=fn_name, error=str(e).splitlines()[0])) from e
-  closed = flatten_jaxpr(traced, merge_repeats=model == "compiler")
+  closed, repeats = flatten_jaxpr(traced, merge_repeats=model == "compiler")
   program = build_program(
     closed,
     fold=fold,
@@ -224,9 +224,7 @@ def trace_program(
     target=target,
     model=model,
   )
-  if program.baseline is not None and len(closed.jaxpr.eqns) < len(
-    flatten_jaxpr(traced).jaxpr.eqns
-  ):
+  if program.baseline is not None and repeats:
     # The compile the model read has repeated equations merged, which XLA does not always
     # do (on the GPT example for H100 it measured 0.5 MiB over the step); budgets are
     # fractions of the step's own peak.
@@ -314,8 +312,9 @@ _COST_MODES = frozenset({"xla", "measured", "shape"})
 # -- inlining ----------------------------------------------------------------------------
 
 
-def flatten_jaxpr(closed: Any, merge_repeats: bool = False) -> Any:
-  """Inlines jit/pjit, custom_jvp_call, custom_vjp_call and checkpoint equations.
+def flatten_jaxpr(closed: Any, merge_repeats: bool = False) -> tuple[Any, int]:
+  """Inlines jit/pjit, custom_jvp_call, custom_vjp_call and checkpoint equations;
+  returns the flat jaxpr and how many repeated equations were merged.
 
   Re-traces the jaxpr with the call bodies evaluated in place, keeping each
   equation's traceback and (outer + inner) name stack. scan, while and cond stay.
@@ -333,7 +332,7 @@ def flatten_jaxpr(closed: Any, merge_repeats: bool = False) -> Any:
   """
   jaxpr, consts = compat.open_jaxpr(closed)
   if not merge_repeats and not any(compat.inline_body(e) is not None for e in jaxpr.eqns):
-    return closed
+    return closed, 0
   specs = [
     jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
     for v in jaxpr.invars
@@ -341,14 +340,16 @@ def flatten_jaxpr(closed: Any, merge_repeats: bool = False) -> Any:
   # Closed-over constants must stay constvars: pass them in, then re-close.
   n_consts = len(consts)
 
+  computed = {} if merge_repeats else None
+
   def run(*args):
-    computed = {} if merge_repeats else None
     return _eval_inlined(jaxpr, args[:n_consts], args[n_consts:], computed)
 
   const_specs = [abstract(c) if is_array(c) else c for c in consts]
   flat = jax.make_jaxpr(run)(*const_specs, *specs)
   inner, inner_consts = compat.open_jaxpr(flat)
-  return _close_over(inner, inner_consts, n_consts, consts)
+  repeats = sum(n for *_, n in computed.values()) if computed else 0
+  return _close_over(inner, inner_consts, n_consts, consts), repeats
 
 
 def _close_over(jaxpr: Any, extra_consts: list[Any], n_consts: int, consts: list[Any]) -> Any:
@@ -365,8 +366,8 @@ def _eval_inlined(
   jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], computed: dict | None = None
 ) -> list[Any]:
   """Evaluates ``jaxpr`` with call bodies inlined. ``computed``, where given, maps each
-  equation's key (`_cse_key`) to its outputs and operands (kept alive, so that no other
-  value takes their ids), and repeated equations take those outputs."""
+  equation's key (`_cse_key`) to its outputs, its operands (kept alive, so that no other
+  value takes their ids) and how many repeats took those outputs."""
   env: dict[Any, Any] = {}
 
   def read(v):
@@ -389,14 +390,15 @@ def _eval_inlined(
         inner, inner_consts = body
         outs = _eval_inlined(inner, inner_consts, invals, computed)
       elif key is not None and key in computed:
-        outs = computed[key][0]
+        outs, kept, repeats = computed[key]
+        computed[key] = (outs, kept, repeats + 1)
       else:
         with compat.eqn_ctx_manager(eqn):
           outs = eqn.primitive.bind(*invals, **compat.bind_params(eqn))
         if not eqn.primitive.multiple_results:
           outs = [outs]
         if key is not None:
-          computed[key] = (outs, invals)
+          computed[key] = (outs, invals, 0)
     for v, x in zip(eqn.outvars, outs, strict=True):
       write(v, x)
   return [read(v) for v in jaxpr.outvars]
