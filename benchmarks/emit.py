@@ -290,7 +290,7 @@ def fence_costs(runs):
     for fence in ("none", "cond", "select", "barrier"):
 
       def f(x, fence=fence):
-        (y,) = apply_fence(fence, x[-1], [x])
+        _, (y,) = apply_fence(fence, x[-1], [x])
         return jnp.sum(y * 2.0)
 
       m = jaxremat.measure(f, x, runs=runs, warmup=2)

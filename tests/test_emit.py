@@ -235,8 +235,9 @@ def test_fences_return_their_values_unchanged():
   trigger = jnp.full((2, 2), jnp.nan)
   values = [jnp.arange(6.0).reshape(2, 3), jnp.array([True, False]), jnp.int32(7)]
   for fence in ("cond", "select", "barrier", "none"):
-    out = jax.jit(lambda t, v, f=fence: apply_fence(f, t, v))(trigger, values)
+    t, out = jax.jit(lambda t, v, f=fence: apply_fence(f, t, v))(trigger, values)
     assert_trees_allclose(out, values, exact=True)
+    np.testing.assert_array_equal(t, trigger)
 
 
 def test_default_fence_per_backend():
