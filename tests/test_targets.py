@@ -421,8 +421,9 @@ def test_the_target_compiler_decides_what_the_graph_keeps(name):
   }
   graphs = {model: program.graph for model, program in programs.items()}
   assert graphs["auto"].meta["model"] == "compiler"
-  # The compile the model read has repeated equations merged (0.5 MiB over the step on
-  # H100); the baseline, which budgets are fractions of, is the step's own.
+  # The graph has repeated equations merged, as XLA's CSE merges them; the compile the
+  # model reads is the step's own (merged, it measured 0.5 MiB over the step on H100), so
+  # the baseline that budgets are fractions of is the step's.
   assert programs["auto"].baseline.peak_bytes == measured
   assert xla_accounted_peak_bytes(graphs["rules"]) > 1.3 * measured
   assert abs(xla_accounted_peak_bytes(graphs["auto"]) - measured) <= 0.10 * measured
@@ -597,9 +598,10 @@ def test_a_plan_the_compiler_undoes_hands_over_to_segment_plans(example, name, t
 
 def test_segment_plans_meet_the_unet_step_on_h100(tmp_path):
   """The U-Net example's skip connections leave no articulation point between its blocks.
-  At 0.7 on H100, `auto`'s plan measures near the original's peak; `segments` (what
-  crosses each cut kept) planned at 7.64 MiB measured 9.17 (budget 8.27), and planned
-  below it by that excess, 7.26 (x0.615 of the peak)."""
+  At 0.7 on H100 (budget 8.27 MiB), `auto`'s plans once measured near the original's
+  peak and `segments` met it (7.26 MiB); since barriers keep their triggers and the model
+  is read from the step's own compile, `auto`'s third plan meets it (8.07 MiB). Either way
+  the budget is met at less than 1.2x the FLOPs."""
   import examples
 
   needs("h100")
@@ -607,6 +609,5 @@ def test_segment_plans_meet_the_unet_step_on_h100(tmp_path):
   options = dict(time_limit=120, target="h100", cache_dir=tmp_path, verify=False)
   plan = jaxremat.optimize(step, budget=0.7, **options).plan(*args)
   assert plan.measured_peak_bytes <= plan.budget_bytes
-  assert plan.schedule.solver in _SEGMENT_SOLVERS
   baseline = jaxremat.measure(step, *args, runs=0, target="h100")
   assert plan.measurement.flops < 1.2 * baseline.flops

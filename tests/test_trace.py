@@ -593,3 +593,29 @@ def test_the_compiler_model_sizes_values_as_the_target_lays_them_out():
   assert scratch == {1: 104 * 128 * 4}  # the layout copy read only by the transpose
   assert arguments == (32 * 128 * 4,)
   assert position == {0: 1, 1: 3, 2: 4}
+
+
+def test_repeated_equations_are_merged_as_xla_cse_merges_them():
+  """`merge_repeats` drops an equation that repeats an earlier one (same primitive,
+  parameters and operands), as XLA's CSE does, and says which kept equation stands for
+  each; an equation whose literal differs (-2.0) or that has effects is its own."""
+  from jaxremat._src.trace import merge_repeats
+
+  def f(x):
+    jax.debug.print("{}", x[0])
+    jax.debug.print("{}", x[0])
+    return jnp.sin(x) * 2.0 + jnp.sin(x) * 2.0 + jnp.sin(x) * -2.0
+
+  closed = jax.make_jaxpr(f)(jnp.ones(4))
+  merged, index = merge_repeats(closed)
+  names = [e.primitive.name for e in closed.jaxpr.eqns]
+  kept = [e.primitive.name for e in merged.jaxpr.eqns]
+  assert names.count("debug_print") == kept.count("debug_print") == 2
+  assert (names.count("sin"), kept.count("sin")) == (3, 1)
+  assert (names.count("mul"), kept.count("mul")) == (3, 2)
+  assert len(index) == len(names) and sorted(set(index)) == list(range(len(kept)))
+  assert all(kept[k] == name for k, name in zip(index, names, strict=True))
+  x = jnp.linspace(-1.0, 1.0, 4)
+  np.testing.assert_array_equal(
+    compat.eval_closed_jaxpr(merged, x)[0], compat.eval_closed_jaxpr(closed, x)[0]
+  )

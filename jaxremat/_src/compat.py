@@ -82,6 +82,13 @@ def close_jaxpr(jaxpr: Any, constvars: list[Any], invars: list[Any], consts: lis
   return ClosedJaxpr(jaxpr.replace(constvars=constvars, invars=invars), consts)
 
 
+def replace_body(closed: Any, eqns: list[Any], outvars: list[Any]) -> Any:
+  """A closed jaxpr like ``closed`` (same inputs and constants) with new equations and
+  outputs."""
+  jaxpr, consts = open_jaxpr(closed)
+  return ClosedJaxpr(jaxpr.replace(eqns=eqns, outvars=outvars), consts)
+
+
 def eval_closed_jaxpr(closed: Any, *args: Any) -> list[Any]:
   """Evaluates a closed jaxpr on flat arguments."""
   from jax.extend.core import jaxpr_as_fun

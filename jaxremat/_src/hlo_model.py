@@ -61,16 +61,22 @@ class CompiledValues:
 
 
 def compiled_values(
-  closed: Any, target: str | Target | None, donate_argnums: tuple[int, ...] = ()
+  closed: Any,
+  target: str | Target | None,
+  donate_argnums: tuple[int, ...] = (),
+  scopes: tuple[int, ...] | None = None,
 ) -> CompiledValues:
   """Which values of flat ``closed`` the compiler keeps, read from its optimized program.
 
   Args:
-    closed: a flat ``ClosedJaxpr`` (the first output of `trace.flatten_jaxpr`).
+    closed: a flat ``ClosedJaxpr`` (`trace.flatten_jaxpr`).
     target: the compiler (`jaxremat.get_target`; None: this machine's).
     donate_argnums: the donated inputs, so that the measurement is the step's own.
+    scopes: per equation, the number that names it in the result (default: its index);
+      `trace` names repeats after the equation that `trace.merge_repeats` keeps.
   """
   jaxpr, consts = compat.open_jaxpr(closed)
+  scopes = scopes or range(len(jaxpr.eqns))
 
   def scoped(*args: Any) -> list[Any]:
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
@@ -79,7 +85,7 @@ def compiled_values(
     def read(v: Any) -> Any:
       return v.val if isinstance(v, compat.Literal) else env[v]
 
-    for k, eqn in enumerate(jaxpr.eqns):
+    for k, eqn in zip(scopes, jaxpr.eqns, strict=True):
       with jax.named_scope(f"{_SCOPE}{k}"):
         outs = eqn.primitive.bind(*map(read, eqn.invars), **compat.bind_params(eqn))
       outs = outs if eqn.primitive.multiple_results else [outs]

@@ -21,7 +21,7 @@ from jaxremat._src import compat, costs, hlo_model, jaxpr_text
 from jaxremat._src.backends import backend_facts
 from jaxremat._src.errors import UnsupportedError
 from jaxremat._src.graph import Node, RematGraph, topological_order
-from jaxremat._src.measure import Measurement, measure
+from jaxremat._src.measure import Measurement
 from jaxremat._src.signature import (
   CallSignature,
   FlatStep,
@@ -209,8 +209,17 @@ def trace_program(
     traced = jax.make_jaxpr(flat_fn)(*signature.specs)
   except jax.errors.ConcretizationTypeError as e:
     raise UnsupportedError(MSG_CONCRETE.format(name=fn_name, error=str(e).splitlines()[0])) from e
-  closed, repeats = flatten_jaxpr(traced, merge_repeats=model == "compiler")
-  program = build_program(
+  flat = flatten_jaxpr(traced)
+  closed, compiled = flat, None
+  if model == "compiler":
+    closed, merged_index = merge_repeats(flat)
+    if fold:
+      # The step as written is what XLA compiles (its figures are the step's baseline),
+      # each equation named after the merged equation that stands for it in the graph.
+      compiled = hlo_model.compiled_values(
+        flat, target, signature.donated_leaves, scopes=merged_index
+      )
+  return build_program(
     closed,
     fold=fold,
     costs_mode=costs,
@@ -222,17 +231,8 @@ def trace_program(
     cost_time_limit=cost_time_limit,
     workspace=workspace,
     target=target,
-    model=model,
+    compiled=compiled,
   )
-  if program.baseline is not None and repeats:
-    # The compile the model read has repeated equations merged, which XLA does not always
-    # do (on the GPT example for H100 it measured 0.5 MiB over the step); budgets are
-    # fractions of the step's own peak.
-    step = measure(
-      flat_fn, *signature.specs, runs=0, donate_argnums=signature.donated_leaves, target=target
-    )
-    program = dataclasses.replace(program, baseline=step)
-  return program
 
 
 _MODELS = ("auto", "rules", "compiler")
@@ -312,27 +312,15 @@ _COST_MODES = frozenset({"xla", "measured", "shape"})
 # -- inlining ----------------------------------------------------------------------------
 
 
-def flatten_jaxpr(closed: Any, merge_repeats: bool = False) -> tuple[Any, int]:
-  """Inlines jit/pjit, custom_jvp_call, custom_vjp_call and checkpoint equations;
-  returns the flat jaxpr and how many repeated equations were merged.
+def flatten_jaxpr(closed: Any) -> Any:
+  """Inlines jit/pjit, custom_jvp_call, custom_vjp_call and checkpoint equations.
 
   Re-traces the jaxpr with the call bodies evaluated in place, keeping each
   equation's traceback and (outer + inner) name stack. scan, while and cond stay.
-
-  With ``merge_repeats``, an equation without effects that repeats an earlier one (the
-  same primitive, parameters and operands) is dropped and its readers read the earlier
-  one's outputs, as XLA's CSE merges them into one instruction, named after one of them,
-  on every backend. The compiler's model (`hlo_model`) needs it: a normalization's
-  ``x - mean``, computed again inside ``jnp.var``, is one buffer in XLA, and the unnamed
-  copy, folded into its backward readers, kept the convolution output it reads alive
-  until the backward pass. On H100 that put the ResNet example at x1.28 of XLA's peak and
-  the MobileNet at x1.20; merged, x1.02 and x0.96. XLA:CPU's fusion rules were measured
-  on the jaxpr as traced and stay with it (merged, they put a BatchNorm-ReLU6 stack 27%
-  under XLA:CPU's peak).
   """
   jaxpr, consts = compat.open_jaxpr(closed)
-  if not merge_repeats and not any(compat.inline_body(e) is not None for e in jaxpr.eqns):
-    return closed, 0
+  if not any(compat.inline_body(e) is not None for e in jaxpr.eqns):
+    return closed
   specs = [
     jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
     for v in jaxpr.invars
@@ -340,16 +328,58 @@ def flatten_jaxpr(closed: Any, merge_repeats: bool = False) -> tuple[Any, int]:
   # Closed-over constants must stay constvars: pass them in, then re-close.
   n_consts = len(consts)
 
-  computed = {} if merge_repeats else None
-
   def run(*args):
-    return _eval_inlined(jaxpr, args[:n_consts], args[n_consts:], computed)
+    return _eval_inlined(jaxpr, args[:n_consts], args[n_consts:])
 
   const_specs = [abstract(c) if is_array(c) else c for c in consts]
   flat = jax.make_jaxpr(run)(*const_specs, *specs)
   inner, inner_consts = compat.open_jaxpr(flat)
-  repeats = sum(n for *_, n in computed.values()) if computed else 0
-  return _close_over(inner, inner_consts, n_consts, consts), repeats
+  return _close_over(inner, inner_consts, n_consts, consts)
+
+
+def merge_repeats(closed: Any) -> tuple[Any, tuple[int, ...]]:
+  """Drops each equation of flat ``closed`` that repeats an earlier one (the same
+  primitive, parameters and operands, no effects); its readers read the earlier one's
+  outputs. Returns the merged jaxpr and, per equation of ``closed``, the index of the
+  merged equation that computes its outputs.
+
+  XLA's CSE merges such repeats into one instruction, named after one of them, on every
+  backend. The compiler's model (`hlo_model`) needs it: a normalization's ``x - mean``,
+  computed again inside ``jnp.var``, is one buffer in XLA, and the unnamed copy, folded
+  into its backward readers, kept the convolution output it reads alive until the
+  backward pass. On H100 that put the ResNet example at x1.28 of XLA's peak and the
+  MobileNet at x1.20; merged, x1.02 and x0.96. XLA:CPU's fusion rules were measured on
+  the jaxpr as traced and stay with it (merged, they put a BatchNorm-ReLU6 stack 27%
+  under XLA:CPU's peak).
+  """
+  jaxpr, _ = compat.open_jaxpr(closed)
+  renamed: dict[Any, Any] = {}  # an output of a dropped repeat -> the kept output
+
+  def read(v: Any) -> Any:
+    return v if isinstance(v, compat.Literal) else renamed.get(v, v)
+
+  first: dict[tuple, int] = {}  # an equation's key -> the merged equation computing it
+  eqns: list[Any] = []
+  index: list[int] = []
+  for eqn in jaxpr.eqns:
+    eqn = eqn.replace(invars=[read(v) for v in eqn.invars])
+    key = _cse_key(eqn)
+    k = first.get(key) if key is not None else None
+    kept = None if k is None else eqns[k].outvars
+    if kept is not None and not any(
+      isinstance(a, compat.DropVar) and not isinstance(b, compat.DropVar)
+      for a, b in zip(kept, eqn.outvars, strict=True)
+    ):
+      renamed.update(zip(eqn.outvars, kept, strict=True))
+      index.append(k)
+      continue
+    if key is not None:
+      first.setdefault(key, len(eqns))
+    index.append(len(eqns))
+    eqns.append(eqn)
+  if len(eqns) == len(jaxpr.eqns):
+    return closed, tuple(index)
+  return compat.replace_body(closed, eqns, [read(v) for v in jaxpr.outvars]), tuple(index)
 
 
 def _close_over(jaxpr: Any, extra_consts: list[Any], n_consts: int, consts: list[Any]) -> Any:
@@ -362,12 +392,8 @@ def _close_over(jaxpr: Any, extra_consts: list[Any], n_consts: int, consts: list
   )
 
 
-def _eval_inlined(
-  jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], computed: dict | None = None
-) -> list[Any]:
-  """Evaluates ``jaxpr`` with call bodies inlined. ``computed``, where given, maps each
-  equation's key (`_cse_key`) to its outputs, its operands (kept alive, so that no other
-  value takes their ids) and how many repeats took those outputs."""
+def _eval_inlined(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+  """Evaluates ``jaxpr`` with call bodies inlined."""
   env: dict[Any, Any] = {}
 
   def read(v):
@@ -385,32 +411,26 @@ def _eval_inlined(
     invals = [read(v) for v in eqn.invars]
     body = compat.inline_body(eqn)
     with compat.user_context(eqn, compat.current_name_stack()):
-      key = None if computed is None else _cse_key(eqn, invals)
       if body is not None:
         inner, inner_consts = body
-        outs = _eval_inlined(inner, inner_consts, invals, computed)
-      elif key is not None and key in computed:
-        outs, kept, repeats = computed[key]
-        computed[key] = (outs, kept, repeats + 1)
+        outs = _eval_inlined(inner, inner_consts, invals)
       else:
         with compat.eqn_ctx_manager(eqn):
           outs = eqn.primitive.bind(*invals, **compat.bind_params(eqn))
         if not eqn.primitive.multiple_results:
           outs = [outs]
-        if key is not None:
-          computed[key] = (outs, invals, 0)
     for v, x in zip(eqn.outvars, outs, strict=True):
       write(v, x)
   return [read(v) for v in jaxpr.outvars]
 
 
-def _cse_key(eqn: Any, invals: Sequence[Any]) -> tuple | None:
+def _cse_key(eqn: Any) -> tuple | None:
   """What makes an equation's outputs equal to another's: primitive, parameters and the
-  operands' identities (literals by value). None for effects and unhashable parameters."""
+  operands (variables by identity, literals by value). None for effects and unhashable
+  parameters."""
   if eqn.effects:
     return None
-  operands = tuple(map(_operand_key, invals))
-  key = (eqn.primitive, operands, tuple(sorted(eqn.params.items())))
+  key = (eqn.primitive, tuple(map(_operand_key, eqn.invars)), tuple(sorted(eqn.params.items())))
   try:
     hash(key)
   except TypeError:
@@ -418,13 +438,12 @@ def _cse_key(eqn: Any, invals: Sequence[Any]) -> tuple | None:
   return key
 
 
-def _operand_key(x: Any) -> Any:
-  """A traced operand by identity; a literal (a Python or NumPy scalar) by value (its
-  bytes: 0.0 is not -0.0)."""
-  if isinstance(x, compat.Tracer) or np.size(x) != 1:
-    return id(x)
-  value = np.asarray(x)
-  return (type(x).__name__, value.dtype.str, value.tobytes())
+def _operand_key(v: Any) -> Any:
+  """A variable by identity; a literal (a scalar) by its value's bytes (0.0 is not -0.0)."""
+  if not isinstance(v, compat.Literal):
+    return v
+  value = np.asarray(v.val)
+  return (type(v.val).__name__, value.dtype.str, value.tobytes())
 
 
 # -- grouping equations into nodes ---------------------------------------------------------
@@ -1001,22 +1020,18 @@ def build_program(
   workspace: bool = False,
   printed_jaxpr: str | None = None,
   target: Target | None = None,
-  model: str = "rules",
+  compiled: hlo_model.CompiledValues | None = None,
 ) -> Program:
   """Builds the `Program` of an already flat ``ClosedJaxpr`` (see `trace_program`).
 
   ``printed_jaxpr`` is kept in the graph's meta for people (default: ``str(closed)``);
-  ``target`` is the device planned for (None: this machine's); ``model`` says who
-  decides which equations keep a buffer: ``"rules"`` (`trace`'s fusion rules) or
-  ``"compiler"`` (the target compiler, `hlo_model`).
+  ``target`` is the device planned for (None: this machine's); ``compiled``, where
+  given, is what the target compiler keeps of ``closed``'s equations (`hlo_model`),
+  which then decides the grouping, sizes and order in place of `trace`'s fusion rules.
   """
   platform = None if target is None else target.platform
   jaxpr = closed.jaxpr
   n_in = len(jaxpr.invars) + len(jaxpr.constvars)
-  compiled = None
-  if fold and model == "compiler":
-    donated = () if signature is None else signature.donated_leaves
-    compiled = hlo_model.compiled_values(closed, target, donated)
   facts = backend_facts(platform)
   groups, duplicated, epilogues, materialized = _group_equations(
     jaxpr, fold, facts.reductions_duplicate_producers, compiled
@@ -1124,7 +1139,7 @@ def build_program(
       "source": "jaxremat.trace",
       "jaxpr": str(closed) if printed_jaxpr is None else printed_jaxpr,
       "fold": fold,
-      "model": model if fold else "unfolded",
+      "model": "unfolded" if not fold else "rules" if compiled is None else "compiler",
       "workspace": workspace,
       "costs": costs_mode,
       "backend": platform or compat.backend_name(),
