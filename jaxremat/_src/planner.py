@@ -34,11 +34,12 @@ from jaxremat._src.graph import RematGraph
 from jaxremat._src.measure import Measurement, measure
 from jaxremat._src.minimize import minimize_peak
 from jaxremat._src.plan_cache import PlanCache, fingerprint
-from jaxremat._src.schedule import Schedule
+from jaxremat._src.schedule import Schedule, schedule_from_computes
 from jaxremat._src.signature import CallSignature, FlatStep, OutputSplit, static_key
 from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import Progress, get_solver
+from jaxremat._src.solvers.replay import resequence
 from jaxremat._src.targets import Target, get_target
 from jaxremat._src.trace import Program, trace_program, xla_accounted_peak_bytes
 from jaxremat._src.verify import (
@@ -402,7 +403,14 @@ class _Loop:
     return 1 + self.opts.max_replans - sum(t.attempt.origin == "solve" for t in self.tried)
 
   def try_schedule(self, schedule: Schedule, origin: str) -> bool:
-    """Compiles a schedule and records it; whether XLA measures it within the budget."""
+    """Compiles a schedule and records it; whether XLA measures it within the budget.
+    A solved schedule is first put in an order that holds less, where one is found."""
+    if origin == "solve":
+      computes = resequence(self.solver_graph, schedule.computes)
+      if computes != schedule.computes:
+        schedule = schedule.replace(
+          events=schedule_from_computes(self.solver_graph, computes).events
+        )
     compiled = _compile(self.program, self.signature, schedule, self.opts)
     # A plan whose recomputations XLA merged away (two identical ones, say) saves nothing
     # real and would fail verification: it does not count as meeting the budget.
