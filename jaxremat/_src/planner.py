@@ -87,6 +87,7 @@ class Attempt:
   predicted_peak_bytes: int
   measured_peak_bytes: int
   origin: str = "solve"  # "solve", "cache", "baseline" or "measured plans"
+  pin: str = "recomputations"  # what of the plan's order the emitted step fences (`emit`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,7 +412,8 @@ class _Loop:
         schedule = schedule.replace(
           events=schedule_from_computes(self.solver_graph, computes).events
         )
-    compiled = _compile(self.program, self.signature, schedule, self.opts)
+    pin = _pin(schedule, self.program.graph)
+    compiled = _compile(self.program, self.signature, schedule, self.opts, pin)
     # A plan whose recomputations XLA merged away (two identical ones, say) saves nothing
     # real and would fail verification: it does not count as meeting the budget.
     kept = recomputes_survive(
@@ -427,17 +429,23 @@ class _Loop:
       self.predicted_peak_bytes(schedule),
       compiled.peak_bytes,
       origin,
+      pin,
     )
     self.tried.append(_Tried(attempt, schedule, compiled, met, kept))
     if not met:
       logger.info(
-        "jaxremat: %s plan (%s) measures %d bytes in XLA (budget %d)%s.",
+        "jaxremat: %s plan (%s, pin=%s) measures %d bytes in XLA (budget %d)%s.",
         schedule.solver,
         origin,
+        pin,
         compiled.peak_bytes,
         self.budget_bytes,
         "" if kept else "; XLA merged planned recomputations away",
       )
+      if pin != "all" and origin == "solve" and self.undone(attempt) and self.solves_left() > 0:
+        # XLA ran the plan in an order of its own that holds what the plan frees: the
+        # same plan again, every event fenced in the plan's order.
+        return self.try_schedule(schedule.replace(stats={**schedule.stats, "pin": "all"}), origin)
     return met
 
   def try_least_peak(self) -> None:
@@ -565,13 +573,28 @@ def next_planning_budget(
   return min(planning_bytes, predicted_bytes) - overshoot
 
 
-def _compile(program: Program, signature: CallSignature, schedule: Schedule, opts: PlanOptions):
+def _pin(schedule: Schedule, graph: RematGraph) -> str:
+  """What of ``schedule``'s order the emitted step fences (`emit`'s ``pin``).
+
+  Its recomputations, by default: pinning every event raised XLA's peak on small
+  training steps whose jaxpr order runs the optimizer update worse than XLA's own
+  scheduler (tests/test_optimize.py). Every event where the plan is a new order without
+  recomputation (which XLA would otherwise replace with its own), or where the planner
+  chose so after XLA undid the plan unpinned (``stats["pin"]``, kept in the plan cache).
+  """
+  if "pin" in schedule.stats:
+    return schedule.stats["pin"]
+  computes = schedule.computes
+  reorder = len(set(computes)) == len(computes) and computes != list(graph.order)
+  return "all" if reorder else "recomputations"
+
+
+def _compile(
+  program: Program, signature: CallSignature, schedule: Schedule, opts: PlanOptions, pin: str
+):
   """Emits ``schedule`` and compiles it for the target; the step runs on this machine."""
-  # Pinning every event to the plan's order raised XLA's peak on small training steps,
-  # whose jaxpr order runs the optimizer update worse than XLA's own scheduler
-  # (tests/test_optimize.py); the closed loop fences recomputations only.
   target = opts.target
-  emitted = emit(program, schedule, fence=opts.fence, pin="recomputations", backend=target.platform)
+  emitted = emit(program, schedule, fence=opts.fence, pin=pin, backend=target.platform)
   flat = FlatStep(emitted, signature)
   donated = signature.donated_leaves
   measured = measure(flat, *signature.specs, runs=0, donate_argnums=donated, target=target)
