@@ -199,6 +199,14 @@ def run_example(
       row.update(error=f"{type(e).__name__}: {e}", plan_s=time.perf_counter() - start)
       row["min_feasible_bytes"] = getattr(e, "min_feasible_bytes", None)
       row["best_measured_peak_bytes"] = getattr(e, "measured_peak_bytes", None)
+      best = getattr(e, "plan", None)
+      if best is not None:  # the plan handed out with BudgetNotMetError, on the plane too
+        row["best_plan"] = {
+          **_figures(best.measurement, base, budgets_bytes),
+          "predicted_peak_bytes": best.schedule.stats["optimize"]["predicted_peak_bytes"],
+          "solver": best.schedule.solver,
+          "n_plans": len(best.attempts),
+        }
       rows.append(row)
       continue
     m = plan.measurement
@@ -233,7 +241,11 @@ def run_example(
 def _print_row(row: dict) -> None:
   label = row["method"] + (f" @{row['budget']}" if "budget" in row else "")
   if "error" in row:
-    print(f"{row['example']:10} {label:42} {row['error'][:110]}", flush=True)
+    best = row.get("best_plan")
+    best = (
+      f" (best plan x{best['peak_ratio']:.3f}, FLOPs x{best['flops_ratio']:.3f})" if best else ""
+    )
+    print(f"{row['example']:10} {label:42} {row['error'][:110]}{best}", flush=True)
     return
   meets = " ".join(f"{b}:{'y' if ok else 'n'}" for b, ok in row["meets"].items())
   predicted = (
@@ -374,7 +386,13 @@ def plot(rows: list[dict], budgets, tag: str, target: jaxremat.Target) -> None:
   )
   for ax, name in zip(axes.flat, names, strict=False):
     for r in rows:
-      if r["example"] != name or "error" in r:
+      if r["example"] != name:
+        continue
+      if "error" in r:
+        if "best_plan" in r:  # not met: the best plan, hollow
+          best = r["best_plan"]
+          label = f"jaxremat @{r['budget']} (not met)"
+          ax.plot(best["flops_ratio"], best["peak_ratio"], "*", ms=13, mfc="none", label=label)
         continue
       if r["method"] == "jaxremat auto":
         ax.plot(r["flops_ratio"], r["peak_ratio"], "*", ms=13, label=f"jaxremat @{r['budget']}")
