@@ -204,7 +204,7 @@ def test_a_cached_plan_is_measured_not_trusted(planned, caplog):
   assert (
     plan.attempts[0].origin == "cache" and plan.attempts[0].measured_peak_bytes > plan.budget_bytes
   )
-  assert "(cache) measures" in caplog.text
+  assert "(cache, pin=recomputations) measures" in caplog.text
 
 
 def _other_step(w, x):
