@@ -242,10 +242,10 @@ def _print_row(row: dict) -> None:
   label = row["method"] + (f" @{row['budget']}" if "budget" in row else "")
   if "error" in row:
     best = row.get("best_plan")
-    best = (
+    shown = (
       f" (best plan x{best['peak_ratio']:.3f}, FLOPs x{best['flops_ratio']:.3f})" if best else ""
     )
-    print(f"{row['example']:10} {label:42} {row['error'][:110]}{best}", flush=True)
+    print(f"{row['example']:10} {label:42} {row['error'][:110]}{shown}", flush=True)
     return
   meets = " ".join(f"{b}:{'y' if ok else 'n'}" for b, ok in row["meets"].items())
   predicted = (

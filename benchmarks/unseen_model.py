@@ -8,7 +8,6 @@ results in ``benchmarks/results/unseen_model_<target>.json``.
   python -m benchmarks.unseen_model h100 0.7,0.5
 """
 
-import functools
 import json
 import pathlib
 import sys
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 import jaxremat
-from examples._common import CHECKPOINT_VARIANTS, run_blocks
+from examples._common import CHECKPOINT_VARIANTS, checkpointed_loss, run_blocks
 
 tgt, budgets = sys.argv[1], [float(b) for b in sys.argv[2].split(",")]
 D, DEPTH, K = 64, 6, 5
@@ -63,12 +62,6 @@ def loss(p, x, y, checkpoint=None):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def checkpointed(variant):
-  if variant in ("per_block", "sqrt_n"):
-    return functools.partial(loss, checkpoint=variant)
-  return jax.checkpoint(loss, policy=getattr(jax.checkpoint_policies, variant))
-
-
 opt = optax.adam(1e-3)
 
 
@@ -93,7 +86,8 @@ base = jaxremat.measure(step, *args, runs=0, target=tgt)
 print(f"{tgt} no remat {base.peak_bytes / 2**20:.2f} MiB", flush=True)
 rows = [{"method": "no remat", "peak_bytes": base.peak_bytes, "flops": base.flops}]
 for variant in CHECKPOINT_VARIANTS:
-  m = jaxremat.measure(train_step(checkpointed(variant)), *args, runs=0, target=tgt)
+  variant_loss = checkpointed_loss(sys.modules[__name__], variant)  # this module's loss
+  m = jaxremat.measure(train_step(variant_loss), *args, runs=0, target=tgt)
   rows.append({"method": f"ckpt {variant}", "peak_bytes": m.peak_bytes, "flops": m.flops})
   print(
     f"ckpt {variant}: {m.peak_bytes / 2**20:.2f} MiB x{m.peak_bytes / base.peak_bytes:.3f} "

@@ -405,13 +405,27 @@ class _Loop:
 
   def try_schedule(self, schedule: Schedule, origin: str) -> bool:
     """Compiles a schedule and records it; whether XLA measures it within the budget.
-    A solved schedule is first put in an order that holds less, where one is found."""
+
+    A solved schedule is first put in an order that holds less, where one is found; where
+    XLA undid it with its recomputations fenced (it ran an order of its own that holds
+    what the plan frees), it is compiled once more with every event fenced in its order.
+    """
     if origin == "solve":
       computes = resequence(self.solver_graph, schedule.computes)
       if computes != schedule.computes:
         schedule = schedule.replace(
           events=schedule_from_computes(self.solver_graph, computes).events
         )
+    tried = self._measure(schedule, origin)
+    if tried.met or tried.attempt.pin == "all" or origin != "solve":
+      return tried.met
+    if self.undone(tried.attempt) and self.solves_left() > 0:
+      pinned = schedule.replace(stats={**schedule.stats, "pin": "all"})
+      return self._measure(pinned, origin).met
+    return False
+
+  def _measure(self, schedule: Schedule, origin: str) -> _Tried:
+    """Emits, compiles and records ``schedule`` (`_pin` says what of its order is fenced)."""
     pin = _pin(schedule, self.program.graph)
     compiled = _compile(self.program, self.signature, schedule, self.opts, pin)
     # A plan whose recomputations XLA merged away (two identical ones, say) saves nothing
@@ -431,7 +445,8 @@ class _Loop:
       origin,
       pin,
     )
-    self.tried.append(_Tried(attempt, schedule, compiled, met, kept))
+    tried = _Tried(attempt, schedule, compiled, met, kept)
+    self.tried.append(tried)
     if not met:
       logger.info(
         "jaxremat: %s plan (%s, pin=%s) measures %d bytes in XLA (budget %d)%s.",
@@ -442,11 +457,7 @@ class _Loop:
         self.budget_bytes,
         "" if kept else "; XLA merged planned recomputations away",
       )
-      if pin != "all" and origin == "solve" and self.undone(attempt) and self.solves_left() > 0:
-        # XLA ran the plan in an order of its own that holds what the plan frees: the
-        # same plan again, every event fenced in the plan's order.
-        return self.try_schedule(schedule.replace(stats={**schedule.stats, "pin": "all"}), origin)
-    return met
+    return tried
 
   def try_least_peak(self) -> None:
     """Once: the least-peak plan the model reaches (XLA may hold less than the model)."""

@@ -400,8 +400,8 @@ def resequence(graph: RematGraph, computes: Sequence[int], max_pull: int = 8) ->
   for i in range(len(computes)):
     while recompute[i] and not recompute[i - 1] and not done[i]:
       groups = [g for g in map(finishing, sorted(live)) if g and i not in g]
-      best = max(groups, key=freed_bytes, default=None)
-      if best is None or freed_bytes(best) <= 0:
+      freed, best = max(((freed_bytes(g), g) for g in groups), default=(0, []))
+      if freed <= 0:
         break
       for k in best:
         run(k)
