@@ -389,6 +389,18 @@ def test_griewank_without_backward_nodes_is_the_forward_sweep():
   assert jaxremat.solve(g, 9, "xla-greedy").stats["n_recompute"] == 1
 
 
+@pytest.mark.parametrize("solver", ["chen-search-ap", "segments", "twremat"])
+def test_a_segment_solver_that_fits_nothing_names_the_least_peak_it_reached(solver):
+  """Where no segment plan fits, the planner compiles the one with the least peak any
+  solver reached (`planner._Loop.run_segments`): planned within that peak, it is found."""
+  g = shared_graph("checkmate_mobilenet_train")
+  with pytest.raises(NoScheduleFoundError) as info:
+    jaxremat.solve(g, g.min_feasible_bytes, solver)
+  least_bytes = info.value.least_peak_bytes
+  assert least_bytes > g.min_feasible_bytes
+  assert jaxremat.solve(g, least_bytes, solver).stats["peak_bytes"] == least_bytes
+
+
 # -- TWRemat ----------------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from backend import FACTS, assert_trees_allclose
 import examples
 import jaxremat
 from jaxremat._src import compat
-from jaxremat._src.trace import xla_accounted_peak_bytes
+from jaxremat._src.trace import device_peak_bytes, live_bytes_within, xla_accounted_peak_bytes
 
 trace_program = functools.partial(jaxremat.trace_program, costs="shape")
 
@@ -619,3 +619,21 @@ def test_repeated_equations_are_merged_as_xla_cse_merges_them():
   np.testing.assert_array_equal(
     compat.eval_closed_jaxpr(merged, x)[0], compat.eval_closed_jaxpr(closed, x)[0]
   )
+
+
+def test_a_tpu_peak_leaves_out_what_vmem_holds_and_its_inverse_is_exact():
+  """With 100 bytes on chip and 10 held in device memory: the figure follows the live
+  bytes until the temporaries fill VMEM (110), stays there until they fill it twice over
+  (210), then follows them less VMEM; `live_bytes_within` is the most live bytes within
+  each figure."""
+  assert [device_peak_bytes(live, 10, 100) for live in (50, 110, 150, 210, 300)] == [
+    50,
+    110,
+    110,
+    110,
+    200,
+  ]
+  assert device_peak_bytes(300, 10, 0) == 300
+  for figure in range(10, 400):
+    live = live_bytes_within(figure, 10, 100)
+    assert device_peak_bytes(live, 10, 100) <= figure < device_peak_bytes(live + 1, 10, 100)

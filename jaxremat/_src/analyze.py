@@ -82,7 +82,9 @@ def model_description(graph: RematGraph) -> str:
     f"{roofline.get('source', 'measured')} peak rates",
     "measured": "equations timed on the device",
   }.get(meta.get("costs"), str(meta.get("costs")))
-  return f"model: sizes from the jaxpr grouped by {device}'s fusion facts; costs: {costs}"
+  on_chip = meta.get("on_chip_bytes", 0)
+  kept = f"; up to {on_chip / 2**20:.0f} MiB of temporaries on chip" if on_chip else ""
+  return f"model: sizes from the jaxpr grouped by {device}'s fusion facts{kept}; costs: {costs}"
 
 
 def tradeoff(

@@ -106,13 +106,21 @@ class NoScheduleFoundError(JaxrematError, RuntimeError):
     restricted_bound_bytes: where an exact solver proved its own restricted model
       infeasible (C_v copies, a staged or input order), the least peak of that model's
       schedules; None otherwise.
+    least_peak_bytes: where a heuristic reached schedules over the budget, the least peak
+      among them (planning within it finds one); None otherwise.
   """
 
-  def __init__(self, message: str, restricted_bound_bytes: int | None = None):
+  def __init__(
+    self,
+    message: str,
+    restricted_bound_bytes: int | None = None,
+    least_peak_bytes: int | None = None,
+  ):
     super().__init__(message)
     self.restricted_bound_bytes = (
       None if restricted_bound_bytes is None else int(restricted_bound_bytes)
     )
+    self.least_peak_bytes = None if least_peak_bytes is None else int(least_peak_bytes)
 
 
 class SolverError(JaxrematError, RuntimeError):

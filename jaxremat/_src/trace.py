@@ -1147,6 +1147,7 @@ def build_program(
       "jax_version": jax.__version__,
       "n_eqns": len(jaxpr.eqns),
       "roofline": costs.roofline_meta(costs_mode, cache_dir, target),
+      "on_chip_bytes": 0 if target is None else target.on_chip_bytes(),
     },
   )
   return Program(
@@ -1437,7 +1438,8 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
   ``workspace_bytes``, unless the graph already has scratch nodes for them), plus the
   constants XLA computes at the start for nodes not computed yet (``constant_bytes``)
   and the buffers it allocates at the start (``allocated_at_start``), both from
-  `_pool_gradient_buffers`.
+  `_pool_gradient_buffers`. On a target that keeps temporaries on chip
+  (``meta["on_chip_bytes"]``), the figure its compiler makes of that (`device_peak_bytes`).
   """
   from jaxremat._src.simulate import baseline_schedule, simulate
 
@@ -1449,7 +1451,7 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
   # from the start until their node computes them.
   pending = {v for v in graph.outputs if not graph.is_input[v]}
   pending |= {v for v in graph.order if graph.nodes[v].attrs.get("allocated_at_start")}
-  pending_bytes = max(0, sum(graph.mem[v] for v in pending) - alias_bytes)
+  pending_bytes = held_bytes = max(0, sum(graph.mem[v] for v in pending) - alias_bytes)
   with_nodes = graph.meta.get("workspace", False)
   early = {
     v: n.attrs["constant_bytes"] for v, n in enumerate(graph.nodes) if "constant_bytes" in n.attrs
@@ -1468,4 +1470,30 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
       pending_bytes = max(0, pending_bytes - graph.mem[v])
     peak = max(peak, after + pending_bytes + early_bytes + scratch(v))
     early_bytes -= early.pop(v, 0)
-  return peak
+  on_chip_bytes = graph.meta.get("on_chip_bytes", 0)
+  return device_peak_bytes(peak, graph.resident_bytes + held_bytes, on_chip_bytes)
+
+
+def device_peak_bytes(live_bytes: int, resident_bytes: int, on_chip_bytes: int) -> int:
+  """The compiler's peak figure for a program whose live bytes peak at ``live_bytes``, of
+  them ``resident_bytes`` its arguments and outputs in device memory, on a target that keeps up to ``on_chip_bytes`` of
+  temporaries on chip (`Target.on_chip_bytes`; 0: the figure is the live bytes).
+
+  On TPU the figure is the larger of the arguments plus what VMEM held at most and device
+  memory's own peak, the bytes live beyond VMEM: it follows the live bytes until the
+  temporaries fill VMEM, stays at the arguments plus VMEM until they fill it twice over,
+  then follows the live bytes less VMEM. Measured on the GPT example's step for TPU v5e
+  at batch 8, 16, 32, 48 and 64 from XLA's buffer assignment (live bytes 39.6, 68.9,
+  127.5, 186.2, 244.8 MiB; peak 42.9, 72.2, 122.0, 121.8, 134.0 MiB).
+  """
+  temp_bytes = live_bytes - resident_bytes
+  if on_chip_bytes <= 0 or temp_bytes <= 0:
+    return live_bytes
+  return resident_bytes + max(min(temp_bytes, on_chip_bytes), temp_bytes - on_chip_bytes)
+
+
+def live_bytes_within(device_bytes: int, resident_bytes: int, on_chip_bytes: int) -> int:
+  """The most live bytes whose `device_peak_bytes` is within ``device_bytes``."""
+  if on_chip_bytes <= 0 or device_bytes - resident_bytes < on_chip_bytes:
+    return device_bytes
+  return device_bytes + on_chip_bytes

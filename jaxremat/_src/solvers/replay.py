@@ -274,11 +274,12 @@ def pick_best(
     if r.valid and r.peak_bytes <= budget_bytes
   ]
   if not fitting:
-    peaks = [r.peak_bytes for _, r in candidates if r.valid]
-    least = f"; the least peak it reached was {min(peaks)} bytes" if peaks else ""
+    least_bytes = min((r.peak_bytes for _, r in candidates if r.valid), default=None)
+    least = "" if least_bytes is None else f"; the least peak it reached was {least_bytes} bytes"
     raise NoScheduleFoundError(
       f"solver {solver!r} found no schedule within budget={budget_bytes} bytes after "
-      f"trying {what}{least}; raise the budget or use solver='auto'."
+      f"trying {what}{least}; raise the budget or use solver='auto'.",
+      least_peak_bytes=least_bytes,
     )
   _, _, k = min(fitting)
   schedule, _ = candidates[k]
