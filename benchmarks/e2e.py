@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import inspect
 import json
 import os
 import pathlib
@@ -147,8 +146,7 @@ def run_example(
   module = examples.load(name)
   sizes = dict(module.SMALL) if small else {}
   if batch_scale != 1:
-    default = inspect.signature(module.example_batch).parameters["batch"].default
-    sizes["batch"] = sizes.get("batch", default) * batch_scale
+    sizes["batch"] = sizes.get("batch", _common.default_batch(module)) * batch_scale
   params, batch = _common.example_args(module, **sizes)
 
   def step_for(variant):

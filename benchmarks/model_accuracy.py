@@ -18,7 +18,6 @@ is the same graph with every live byte charged (as if nothing stayed in TPU VMEM
 import argparse
 import csv
 import dataclasses
-import inspect
 import json
 import os
 import time
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 
 import examples
 import jaxremat
+from examples import _common
 from jaxremat._src.signature import FlatStep
 from jaxremat._src.trace import xla_accounted_peak_bytes
 
@@ -42,8 +42,7 @@ def make_step(name: str, batch_scale: int = 1):
     if name not in examples.EXAMPLES:
       raise ValueError(f"--batch-scale applies to the examples {examples.EXAMPLES}, not {name!r}.")
     module = examples.load(name)
-    default = inspect.signature(module.example_batch).parameters["batch"].default
-    fn, args = module.make_train_step(batch=default * batch_scale)
+    fn, args = module.make_train_step(batch=_common.default_batch(module) * batch_scale)
     return fn, args, {}, {}
   if name == "flax_cnn":
     from examples import flax_cnn

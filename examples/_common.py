@@ -153,6 +153,11 @@ def example_args(module, **sizes) -> tuple[Any, Any]:
   return params, batch
 
 
+def default_batch(module) -> int:
+  """The batch size ``module.example_batch`` makes by default."""
+  return inspect.signature(module.example_batch).parameters["batch"].default
+
+
 def make_train_step(loss, params, batch, learning_rate=1e-3):
   """A jitted ``(params, opt_state, batch) -> (params, opt_state, loss)`` and its arguments."""
   optimizer = optax.adam(learning_rate)

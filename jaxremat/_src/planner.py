@@ -45,6 +45,7 @@ from jaxremat._src.targets import Target, get_target
 from jaxremat._src.trace import (
   Program,
   device_peak_bytes,
+  held_from_start,
   live_bytes_within,
   trace_program,
   xla_accounted_peak_bytes,
@@ -366,8 +367,7 @@ def as_xla_allocates(graph: RematGraph, alias_bytes: int) -> tuple[RematGraph, i
   ``budget`` as XLA counts it, but for scratch and constants. Same nodes and edges: a
   schedule of one is a schedule of the other.
   """
-  held = {v for v in graph.outputs if not graph.is_input[v]}
-  held |= {v for v in graph.order if graph.nodes[v].attrs.get("allocated_at_start")}
+  held = held_from_start(graph)
   nodes = tuple(dataclasses.replace(n, mem=0) if n.id in held else n for n in graph.nodes)
   reserved = max(0, sum(graph.mem[v] for v in held) - alias_bytes)
   return dataclasses.replace(graph, nodes=nodes), reserved
@@ -380,6 +380,10 @@ class _Loop:
   def __init__(self, program, signature, budget_bytes, opts: PlanOptions, deadline, baseline):
     self.program = program
     self.solver_graph, self.reserved_bytes = as_xla_allocates(program.graph, baseline.alias_bytes)
+    # What XLA keeps in device memory throughout (arguments, and outputs held from the
+    # start), and what the target keeps on chip: `solver_budget` and `figure_bytes`.
+    self.held_bytes = program.graph.resident_bytes + self.reserved_bytes
+    self.on_chip_bytes = program.graph.meta.get("on_chip_bytes", 0)
     self.alias_bytes = baseline.alias_bytes
     self.baseline_peak_bytes = baseline.peak_bytes
     # What the compiler holds beyond the model on the original step (layout padding,
@@ -411,15 +415,13 @@ class _Loop:
     """A planning budget as XLA counts it, as a budget in the solvers' graph: the live
     bytes within it (more than it where the target keeps temporaries on chip,
     `trace.device_peak_bytes`), less the outputs held from the start."""
-    graph, held = self.program.graph, self.reserved_bytes
-    on_chip = graph.meta.get("on_chip_bytes", 0)
-    return live_bytes_within(planning_bytes, graph.resident_bytes + held, on_chip) - held
+    live_bytes = live_bytes_within(planning_bytes, self.held_bytes, self.on_chip_bytes)
+    return live_bytes - self.reserved_bytes
 
   def figure_bytes(self, solver_bytes: int) -> int:
     """A peak in the solvers' graph as XLA counts it (the inverse of `solver_budget`)."""
-    graph, held = self.program.graph, self.reserved_bytes
-    on_chip = graph.meta.get("on_chip_bytes", 0)
-    return device_peak_bytes(solver_bytes + held, graph.resident_bytes + held, on_chip)
+    live_bytes = solver_bytes + self.reserved_bytes
+    return device_peak_bytes(live_bytes, self.held_bytes, self.on_chip_bytes)
 
   def solves_left(self) -> int:
     return 1 + self.opts.max_replans - sum(t.attempt.origin == "solve" for t in self.tried)

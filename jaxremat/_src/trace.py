@@ -1427,6 +1427,13 @@ def _internal_bytes(eqn: Any) -> int:
 # -- XLA's accounting of the peak -----------------------------------------------------------
 
 
+def held_from_start(graph: RematGraph) -> set[int]:
+  """The nodes whose buffers XLA allocates before the program runs: the step's outputs
+  and the buffers `trace` marks ``allocated_at_start``."""
+  held = {v for v in graph.outputs if not graph.is_input[v]}
+  return held | {v for v in graph.order if graph.nodes[v].attrs.get("allocated_at_start")}
+
+
 def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_bytes: int = 0) -> int:
   """The peak as XLA's ``memory_analysis`` counts it, for ``schedule`` (default: baseline).
 
@@ -1449,8 +1456,7 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
     raise ValueError(f"The schedule is invalid for graph {graph.name!r}: {result.error}")
   # Outputs, and buffers XLA allocates at the start (`_pool_gradient_buffers`), count
   # from the start until their node computes them.
-  pending = {v for v in graph.outputs if not graph.is_input[v]}
-  pending |= {v for v in graph.order if graph.nodes[v].attrs.get("allocated_at_start")}
+  pending = held_from_start(graph)
   pending_bytes = held_bytes = max(0, sum(graph.mem[v] for v in pending) - alias_bytes)
   with_nodes = graph.meta.get("workspace", False)
   early = {
