@@ -30,8 +30,8 @@ import examples
 import jaxremat
 from jaxremat._src.emit import apply_fence, default_fence
 from jaxremat._src.segments import segment_schedule
-from jaxremat._src.trace import xla_accounted_peak_bytes
 from jaxremat._src.verify import noise_envelope
+from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 MIB = 2**20

@@ -29,7 +29,7 @@ import examples
 import jaxremat
 from examples import _common
 from jaxremat._src.signature import FlatStep
-from jaxremat._src.trace import xla_accounted_peak_bytes
+from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 STEPS = (*examples.EXAMPLES, "flax_cnn", "equinox", "gpt_bf16")

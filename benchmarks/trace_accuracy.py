@@ -4,7 +4,7 @@ Usage: python -m benchmarks.trace_accuracy [--examples mlp,gpt] [--steps grad,tr
 
 Prints a table and writes benchmarks/results/trace_accuracy.{csv,json}. XLA's peak is
 argument + output + temp - alias of ``jax.jit(f).lower(*args).compile().memory_analysis()``
-(ARCHITECTURE.md fact 3); the prediction is ``trace.xla_accounted_peak_bytes(graph)``: the
+(ARCHITECTURE.md fact 3); the prediction is ``xla_memory.xla_accounted_peak_bytes(graph)``: the
 baseline run ``simulate(graph, baseline_schedule(graph))`` counted as XLA counts it (outputs
 from the start, per-node scratch, buffers XLA makes at the program start).
 """
@@ -20,7 +20,7 @@ import jax
 import examples
 import jaxremat
 from jaxremat._src import compat
-from jaxremat._src.trace import xla_accounted_peak_bytes
+from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 

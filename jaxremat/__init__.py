@@ -20,6 +20,7 @@ from jaxremat._src.measure import Measurement as Measurement
 from jaxremat._src.measure import measure as measure
 from jaxremat._src.minimize import minimize_peak as minimize_peak
 from jaxremat._src.planner import Plan as Plan
+from jaxremat._src.program import Program as Program
 from jaxremat._src.report import Report as Report
 from jaxremat._src.schedule import Schedule as Schedule
 from jaxremat._src.schedule import schedule_from_computes as schedule_from_computes
@@ -32,7 +33,6 @@ from jaxremat._src.solvers.base import available_solvers as available_solvers
 from jaxremat._src.targets import Target as Target
 from jaxremat._src.targets import available_targets as available_targets
 from jaxremat._src.targets import get_target as get_target
-from jaxremat._src.trace import Program as Program
 from jaxremat._src.trace import save_graph as save_graph
 from jaxremat._src.trace import trace as trace
 from jaxremat._src.trace import trace_program as trace_program

@@ -198,7 +198,7 @@ def test_the_solvers_see_output_buffers_held_from_the_start_as_xla_allocates_the
   budget, so that a plan's peak there is XLA's accounting of it but for scratch and the
   constants XLA makes at the start."""
   from jaxremat._src.planner import as_xla_allocates
-  from jaxremat._src.trace import xla_accounted_peak_bytes
+  from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
   step, args = _small_step()
   graph = jaxremat.trace_program(step, *args, costs="shape").graph

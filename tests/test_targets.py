@@ -410,7 +410,7 @@ def test_the_target_compiler_decides_what_the_graph_keeps(name):
   the H100 one by 35%; the compiler's model is within 10%."""
   import examples
   from examples import _common
-  from jaxremat._src.trace import xla_accounted_peak_bytes
+  from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
   target = needs(name)
   module = examples.load("gpt")
@@ -437,7 +437,7 @@ def test_the_compiler_model_predicts_steps_no_rule_was_written_for(name):
   (benchmarks/model_accuracy.py)."""
   from examples import equinox_transformer
   from jaxremat._src.signature import FlatStep
-  from jaxremat._src.trace import xla_accounted_peak_bytes
+  from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
   needs(name)
   step, args, kwargs = equinox_transformer.make_train_step()
@@ -472,7 +472,7 @@ def test_max_pool_gradients_take_no_start_buffers_off_cpu(name):
   computes the iotas inside the pool's fusion. With the CPU buffers the model put this
   gradient at 28 MiB for H100, which its compiler measured at 13; without them it is
   within 10% on both targets."""
-  from jaxremat._src.trace import xla_accounted_peak_bytes
+  from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
   target = needs(name)
   x = jax.ShapeDtypeStruct((8, 64, 64, 32), jnp.float32)
@@ -539,7 +539,7 @@ def test_the_compiler_model_counts_tpu_tile_padding():
   activations take 2-4x their bytes there. Sized from their avals the model predicted 0.27
   of the TPU v5e peak; sized from the compiler's layouts, over 0.75."""
   from examples import flax_cnn
-  from jaxremat._src.trace import xla_accounted_peak_bytes
+  from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
   needs("tpu-v5e")
   step, args, kwargs = flax_cnn.make_train_step()
@@ -563,9 +563,9 @@ def test_past_vmem_the_tpu_model_counts_only_what_lives_beyond_it():
   charges device memory with the rest. The MLP example at batch 16384 holds about 300 MiB
   of temporaries at once: counting them all the model read x1.5 of the TPU v5e peak;
   counting what VMEM leaves out, within 10%. Planned on that model (the solvers' budget is
-  the live bytes the figure allows, `trace.live_bytes_within`), 0.7 is met."""
+  the live bytes the figure allows, `xla_memory.live_bytes_within`), 0.7 is met."""
   from examples import _common, mlp
-  from jaxremat._src.trace import xla_accounted_peak_bytes
+  from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
   target = needs("tpu-v5e")
   assert 64 * MiB <= target.on_chip_bytes() <= 128 * MiB

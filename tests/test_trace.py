@@ -13,7 +13,7 @@ from backend import FACTS, assert_trees_allclose
 import examples
 import jaxremat
 from jaxremat._src import compat
-from jaxremat._src.trace import device_peak_bytes, live_bytes_within, xla_accounted_peak_bytes
+from jaxremat._src.xla_memory import device_peak_bytes, live_bytes_within, xla_accounted_peak_bytes
 
 trace_program = functools.partial(jaxremat.trace_program, costs="shape")
 
@@ -599,7 +599,7 @@ def test_repeated_equations_are_merged_as_xla_cse_merges_them():
   """`merge_repeats` drops an equation that repeats an earlier one (same primitive,
   parameters and operands), as XLA's CSE does, and says which kept equation stands for
   each; an equation whose literal differs (-2.0) or that has effects is its own."""
-  from jaxremat._src.trace import merge_repeats
+  from jaxremat._src.capture import merge_repeats
 
   def f(x):
     jax.debug.print("{}", x[0])

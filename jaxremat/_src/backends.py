@@ -56,7 +56,7 @@ class BackendFacts:
     pool_gradient_buffers_at_start: whether a max pool's gradient (``select_and_scatter_add``)
       takes buffers made at the program start: XLA:CPU lowers it to a reduce-window that
       carries argmax iotas and a scatter into zeros, both with constant operands, so
-      scheduled first (`trace._pool_gradient_buffers`). TPU runs it as one op; GPU
+      scheduled first (`fusion.pool_gradient_buffers`). TPU runs it as one op; GPU
       computes the iotas inside the pool's fusion: the model with those buffers put a max
       pool's gradient for H100 at 28 MiB, which its compiler measured at 13 MiB
       (tests/test_targets.py).

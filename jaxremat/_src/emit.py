@@ -1,7 +1,8 @@
 """`emit`: run a schedule as a JAX function whose recomputations XLA really performs.
 
 The emitted function evaluates the traced jaxpr node by node in schedule order; a node
-computed twice has its equations traced twice. Duplicated equations alone are merged
+computed twice has its equations traced twice, and a node XLA keeps no buffer of is
+evaluated inside each of its readers (`inlined_reads`). Duplicated equations alone are merged
 back by XLA's common-subexpression elimination, and on XLA:CPU `optimization_barrier`
 is expanded before CSE, so `jax.checkpoint` recomputation disappears there
 (ARCHITECTURE.md fact 1, https://github.com/jax-ml/jax/issues/19822). Each run of
@@ -296,14 +297,14 @@ def inlined_reads(program: Any) -> tuple[tuple[int, ...] | None, ...]:
 
   A value XLA duplicates into each reader's fusion, or a dot it fuses into its readers
   (node attributes ``duplicated``, ``epilogue``), has no bytes in the graph: its readers
-  hold its operands instead (`trace.build_program` gives them its operands' edges). So
+  hold its operands instead (`program.build_program` gives them its operands' edges). So
   the emitted program evaluates it inside each reader, from the copies of its operands
   live there. Read from its own first computation, it kept that first copy of a
   recomputed operand live as well: on the ResNet step for TPU v5e, three 8 MiB
   convolution outputs that a plan recomputed stayed live through the backward pass.
   """
   graph, eqns = program.graph, program.jaxpr.jaxpr.eqns
-  outputs = set(_ordered_vars(program.jaxpr.jaxpr.outvars))
+  outputs = set(_vars(program.jaxpr.jaxpr.outvars))
   inline = {
     v
     for v, node in enumerate(graph.nodes)
@@ -320,7 +321,7 @@ def inlined_reads(program: Any) -> tuple[tuple[int, ...] | None, ...]:
     todo = [v]
     while todo:
       u = todo.pop()
-      for x in _ordered_vars(x for i in program.node_eqns[u] for x in eqns[i].invars):
+      for x in _vars(x for i in program.node_eqns[u] for x in eqns[i].invars):
         d = made_by.get(x)
         if d is not None and d not in found:
           found.add(d)
@@ -336,7 +337,8 @@ def _emitted_eqns(
   return [i for v in nodes for u in (*inlined[v], v) for i in program.node_eqns[u]]
 
 
-def _ordered_vars(xs: Any) -> list[Any]:
+def _vars(xs: Any) -> list[Any]:
+  """The Vars among ``xs`` (no Literals)."""
   return [x for x in xs if not isinstance(x, compat.Literal)]
 
 
@@ -346,7 +348,7 @@ def _external_reads(program: Any, eqn_ids: Sequence[int]) -> list[Any]:
   made: set[Any] = set()
   out: dict[Any, None] = {}
   for i in eqn_ids:
-    for x in _ordered_vars(eqns[i].invars):
+    for x in _vars(eqns[i].invars):
       if x not in made:
         out[x] = None
     made.update(eqns[i].outvars)
@@ -447,7 +449,7 @@ def _routed_vars(program: Any, eqn_ids: Sequence[int]) -> tuple[Any, ...]:
   fenced: dict[Any, None] = {}
   for i in eqn_ids:
     eqn = eqns[i]
-    reads = _ordered_vars(eqn.invars)
+    reads = _vars(eqn.invars)
     if not any(x in fenced or x in behind for x in reads):
       outside = [x for x in reads if x not in made and _fenceable(x)]
       if outside:
@@ -489,7 +491,9 @@ class _Evaluator:
       if run.trigger is None:
         self.eval_nodes(run.nodes, env)
       elif fence in _ROUTING_FENCES:
-        env[run.trigger], routed = apply_fence(fence, env[run.trigger], [env[x] for x in run.routed])
+        env[run.trigger], routed = apply_fence(
+          fence, env[run.trigger], [env[x] for x in run.routed]
+        )
         # After a cond, later readers read the routed copy, so the original can die at the
         # fence. A select is only read by the run: XLA fuses it into later readers, which
         # would then keep the original and the trigger alive as well as the copy.

@@ -1,6 +1,6 @@
 """Which jaxpr values the target compiler materializes, read from its optimized HLO.
 
-`trace`'s hand rules say which equations XLA fuses into their readers; they were written
+`fusion`'s hand rules say which equations XLA fuses into their readers; they were written
 for XLA:CPU and are wrong elsewhere (TPU fuses far more: on the GPT example's step, 198 of
 1530 equations keep a buffer on TPU v5e, where the rules keep 539). Here the compiler
 answers instead: the step's flat jaxpr is compiled for the target with each equation
@@ -69,11 +69,11 @@ def compiled_values(
   """Which values of flat ``closed`` the compiler keeps, read from its optimized program.
 
   Args:
-    closed: a flat ``ClosedJaxpr`` (`trace.flatten_jaxpr`).
+    closed: a flat ``ClosedJaxpr`` (`capture.flatten_jaxpr`).
     target: the compiler (`jaxremat.get_target`; None: this machine's).
     donate_argnums: the donated inputs, so that the measurement is the step's own.
     scopes: per equation, the number that names it in the result (default: its index);
-      `trace` names repeats after the equation that `trace.merge_repeats` keeps.
+      `trace` names repeats after the equation that `capture.merge_repeats` keeps.
   """
   jaxpr, consts = compat.open_jaxpr(closed)
   scopes = scopes or range(len(jaxpr.eqns))

@@ -35,6 +35,7 @@ from jaxremat._src.graph import RematGraph
 from jaxremat._src.measure import Measurement, measure
 from jaxremat._src.minimize import minimize_peak
 from jaxremat._src.plan_cache import PlanCache, fingerprint
+from jaxremat._src.program import Program
 from jaxremat._src.schedule import Schedule, schedule_from_computes
 from jaxremat._src.signature import CallSignature, FlatStep, OutputSplit, static_key
 from jaxremat._src.simulate import baseline_schedule, simulate
@@ -42,14 +43,7 @@ from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import Progress, get_solver
 from jaxremat._src.solvers.replay import resequence
 from jaxremat._src.targets import Target, get_target
-from jaxremat._src.trace import (
-  Program,
-  device_peak_bytes,
-  held_from_start,
-  live_bytes_within,
-  trace_program,
-  xla_accounted_peak_bytes,
-)
+from jaxremat._src.trace import trace_program
 from jaxremat._src.verify import (
   Verification,
   choose_verification_device,
@@ -58,6 +52,12 @@ from jaxremat._src.verify import (
   recomputes_survive,
   surviving_recomputes,
   verify,
+)
+from jaxremat._src.xla_memory import (
+  device_peak_bytes,
+  held_from_start,
+  live_bytes_within,
+  xla_accounted_peak_bytes,
 )
 
 logger = logging.getLogger("jaxremat")
@@ -361,7 +361,7 @@ def as_xla_allocates(graph: RematGraph, alias_bytes: int) -> tuple[RematGraph, i
 
   XLA gives the step's outputs (and the buffers `trace` marks ``allocated_at_start``)
   their own buffers for the whole program: its peak charges them from the start, before
-  the plan computes them (`trace.xla_accounted_peak_bytes`). In the returned graph those
+  the plan computes them (`xla_memory.xla_accounted_peak_bytes`). In the returned graph those
   nodes cost nothing when computed; their bytes, less what XLA aliases to donated
   arguments, are the second result. A plan within ``budget - held`` there is within
   ``budget`` as XLA counts it, but for scratch and constants. Same nodes and edges: a
@@ -414,7 +414,7 @@ class _Loop:
   def solver_budget(self, planning_bytes: int) -> int:
     """A planning budget as XLA counts it, as a budget in the solvers' graph: the live
     bytes within it (more than it where the target keeps temporaries on chip,
-    `trace.device_peak_bytes`), less the outputs held from the start."""
+    `xla_memory.device_peak_bytes`), less the outputs held from the start."""
     live_bytes = live_bytes_within(planning_bytes, self.held_bytes, self.on_chip_bytes)
     return live_bytes - self.reserved_bytes
 

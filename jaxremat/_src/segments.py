@@ -1,9 +1,9 @@
 """Segment checkpointing schedules on any graph (Chen et al. style, for emit and verify).
 
 The graph's input order is split where its backward part begins (the first node a
-tracer marked ``backward``, else the compute where the baseline holds the most memory). The forward part is cut into segments of equal
-cost; only the values crossing a segment boundary (the checkpoints) and the last
-segment are kept, every other forward value is freed after its last forward reader and
+tracer marked ``backward``, else the compute where the baseline holds the most memory).
+The forward part is cut into segments of equal cost; only the values crossing a segment
+boundary (the checkpoints) and the last segment are kept, every other forward value is freed after its last forward reader and
 recomputed, from the nearest kept values, right before the first backward node that
 needs it.
 """

@@ -28,7 +28,7 @@ from jaxremat._src.measure import Measurement, measure
 from jaxremat._src.schedule import Schedule
 from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.targets import Target, get_target
-from jaxremat._src.trace import xla_accounted_peak_bytes
+from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
 # Equations whose recomputation costs real time, and the HLO instruction each becomes.
 # Elementwise work is left out: XLA fuses and duplicates it on its own (fact 2).
@@ -688,7 +688,7 @@ class Verification:
     predicted_peak_bytes: the simulator's peak for the schedule.
     measured_peak_bytes: XLA's peak (argument + output + temp - alias) of the emitted one.
     predicted_xla_peak_bytes: the simulator's peak as XLA counts it (output buffers
-      held from the start, `trace.xla_accounted_peak_bytes`).
+      held from the start, `xla_memory.xla_accounted_peak_bytes`).
     predicted_baseline_peak_bytes: the simulator's peak for the no-remat baseline.
     planned_flops_increase: extra flops of the recomputations over the graph's total
       (a fraction; None when the graph's nodes carry no ``flops``).

@@ -57,7 +57,7 @@ def forward_nodes(graph: RematGraph) -> set[int]:
   (the count first, on the H100 GPT step), and counted as forward they reach over every
   segment boundary, leaving no checkpoint to place. So do the program's constants (a
   causal mask, a broadcast scalar: nodes `trace` marks ``constant``): merged into one
-  node per value (`trace.flatten_jaxpr`), each is read by every block.
+  node per value (`capture.flatten_jaxpr`), each is read by every block.
   """
   backward = [node.id for node in graph.nodes if node.attrs.get("backward")]
   if not any("backward" in node.attrs for node in graph.nodes):

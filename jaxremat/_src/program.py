@@ -1,0 +1,423 @@
+"""The `Program`: a flat jaxpr and the `RematGraph` over it, and how it is built.
+
+`build_program` groups the flat jaxpr's equations into nodes (`fusion`, or the target
+compiler's answer, `hlo_model`), sizes each node by the bytes XLA keeps, and costs it
+with `jaxremat._src.costs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from jaxremat._src import compat, costs, hlo_model
+from jaxremat._src.backends import backend_facts
+from jaxremat._src.fusion import (
+  HIGHER_ORDER_PRIMITIVES,
+  group_equations,
+  internal_bytes,
+  pool_gradient_buffers,
+  workspace_bytes,
+)
+from jaxremat._src.graph import Node, RematGraph, topological_order
+from jaxremat._src.measure import Measurement
+from jaxremat._src.signature import CallSignature, OutputSplit, abstract
+from jaxremat._src.targets import Target
+
+# -- the Program: a flat jaxpr and the graph over it --------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A traced function: its flat jaxpr and the graph whose nodes group its equations.
+
+  Attributes:
+    jaxpr: the flat ``ClosedJaxpr``: jit/pjit, custom_jvp_call, custom_vjp_call and
+      checkpoint are inlined; scan, while and cond stay single equations.
+    graph: the `RematGraph`. Nodes ``0 .. len(jaxpr.invars) - 1`` are the invars,
+      then one node per constvar, then the equation nodes in jaxpr order.
+    node_eqns: per node, the ascending indices into ``jaxpr.jaxpr.eqns`` it stands
+      for; ``()`` for input nodes. Every equation is in exactly one node.
+    node_outvars: per node, the vars its equations produce that other nodes or the
+      function's outputs read (for an input node, its invar or constvar).
+    signature: how a call splits into the jaxpr's invars (its traced leaves) and the
+      static values baked into the jaxpr (`jaxremat._src.signature`); None for a jaxpr
+      read from text.
+    outputs: which output leaves are the jaxpr's outvars and which static values are
+      returned as they are; None for a jaxpr read from text.
+    baseline: the target compiler's figures for the step, with its donation, where
+      tracing compiled it (``model="compiler"``); else None.
+  """
+
+  jaxpr: Any
+  graph: RematGraph
+  node_eqns: tuple[tuple[int, ...], ...]
+  node_outvars: tuple[tuple[Any, ...], ...]
+  signature: CallSignature | None = None
+  outputs: OutputSplit | None = None
+  baseline: Measurement | None = None
+
+  @property
+  def dynamic_mask(self) -> tuple[bool, ...]:
+    """Per leaf of the traced ``(args, kwargs)``, whether it is a jaxpr invar."""
+    return self.signature.dynamic_mask if self.signature else ()
+
+  @property
+  def static_leaves(self) -> tuple[Any, ...]:
+    """The static leaves of the traced ``(args, kwargs)``, in order."""
+    return self.signature.static_leaves if self.signature else ()
+
+  @property
+  def arg_tree(self) -> Any:
+    """Treedef of the full ``(args, kwargs)`` the function was traced with."""
+    return self.signature.arg_tree if self.signature else None
+
+  def flatten_args(self, *args, **kwargs) -> list[Any]:
+    """The jaxpr invar values for a call with the traced argument structure."""
+    dynamic = self.signature.dynamic_leaves(args, kwargs)
+    for k, (x, var) in enumerate(zip(dynamic, self.jaxpr.jaxpr.invars, strict=True)):
+      # A jaxpr evaluated on other shapes or dtypes may broadcast or cast silently.
+      spec = abstract(x)
+      shape, dtype = spec.shape, spec.dtype
+      if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        dtype = jax.dtypes.canonicalize_dtype(dtype)
+      if shape != var.aval.shape or dtype != var.aval.dtype:
+        raise ValueError(
+          f"Argument {self.graph.nodes[k].name} has shape {shape} and dtype {dtype}, but "
+          f"the function was traced with shape {var.aval.shape} and dtype {var.aval.dtype}; "
+          "trace it again for these arguments (jaxremat.optimize plans per shape and dtype)."
+        )
+    return dynamic
+
+  def unflatten_outputs(self, flat_outputs: Sequence[Any]) -> Any:
+    """The function's output pytree from the values of the jaxpr outvars."""
+    return self.outputs.merge(list(flat_outputs))
+
+  def __call__(self, *args, **kwargs) -> Any:
+    """Evaluates the flat jaxpr: the traced function's result, for checking."""
+    flat = compat.eval_closed_jaxpr(self.jaxpr, *self.flatten_args(*args, **kwargs))
+    return self.unflatten_outputs(flat)
+
+
+# -- building the graph --------------------------------------------------------------------
+
+
+def build_program(
+  closed: Any,
+  *,
+  fold: bool = True,
+  costs_mode: str = "xla",
+  name: str = "program",
+  arg_names: Sequence[str] | None = None,
+  signature: CallSignature | None = None,
+  output_split: OutputSplit | None = None,
+  cache_dir: str | os.PathLike | None = None,
+  cost_time_limit: float | None = None,
+  workspace: bool = False,
+  printed_jaxpr: str | None = None,
+  target: Target | None = None,
+  compiled: hlo_model.CompiledValues | None = None,
+) -> Program:
+  """Builds the `Program` of an already flat ``ClosedJaxpr`` (see `trace.trace_program`).
+
+  ``printed_jaxpr`` is kept in the graph's meta for people (default: ``str(closed)``);
+  ``target`` is the device planned for (None: this machine's); ``compiled``, where
+  given, is what the target compiler keeps of ``closed``'s equations (`hlo_model`),
+  which then decides the grouping, sizes and order in place of `fusion`'s rules.
+  """
+  platform = None if target is None else target.platform
+  jaxpr = closed.jaxpr
+  n_in = len(jaxpr.invars) + len(jaxpr.constvars)
+  facts = backend_facts(platform)
+  groups, duplicated, epilogues, materialized = group_equations(
+    jaxpr, fold, facts.reductions_duplicate_producers, compiled
+  )
+  producer: dict[Any, int] = {}
+  for i, v in enumerate([*jaxpr.invars, *jaxpr.constvars]):
+    producer[v] = i
+  for g, eqn_ids in enumerate(groups):
+    for k in eqn_ids:
+      for v in jaxpr.eqns[k].outvars:
+        if not isinstance(v, compat.DropVar):
+          producer[v] = n_in + g
+  n = n_in + len(groups)
+  edges: set[tuple[int, int]] = set()
+  exported: list[set[Any]] = [set() for _ in range(n)]
+  for g, eqn_ids in enumerate(groups):
+    v_node = n_in + g
+    for k in eqn_ids:
+      for v in jaxpr.eqns[k].invars:
+        if isinstance(v, compat.Literal):
+          continue
+        u = producer[v]
+        if u != v_node:
+          edges.add((u, v_node))
+          exported[u].add(v)
+  # XLA recomputes a duplicated value inside each reader's fusion: its operands, not
+  # the value, stay live until the last reader. In root order, so that the sources of a
+  # chain of duplicated values reach the readers at its end.
+  for d in sorted(duplicated | epilogues):
+    d_node = n_in + d
+    sources = [u for u, w in edges if w == d_node]
+    sinks = [w for u, w in edges if u == d_node]
+    edges.update((u, w) for u in sources for w in sinks)
+  outputs = []
+  for v in jaxpr.outvars:
+    if isinstance(v, compat.Literal):
+      continue
+    u = producer[v]
+    exported[u].add(v)
+    if u not in outputs:
+      outputs.append(u)
+  node_outvars: list[tuple[Any, ...]] = [(v,) for v in [*jaxpr.invars, *jaxpr.constvars]]
+  for g, eqn_ids in enumerate(groups):
+    outs = [
+      v
+      for k in eqn_ids
+      for v in jaxpr.eqns[k].outvars
+      if not isinstance(v, compat.DropVar) and v in exported[n_in + g]
+    ]
+    node_outvars.append(tuple(outs))
+  eqn_costs = costs.equation_costs(
+    jaxpr.eqns, mode=costs_mode, cache_dir=cache_dir, time_limit_s=cost_time_limit, target=target
+  )
+  arg_names = list(arg_names or [f"arg{i}" for i in range(len(jaxpr.invars))])
+  nodes = []
+  for i, v in enumerate(jaxpr.invars):
+    held = None if compiled is None else compiled.argument_bytes[i]
+    nodes.append(_input_node(i, arg_names[i], v, "argument", held))
+  for j, v in enumerate(jaxpr.constvars):
+    nodes.append(_input_node(len(jaxpr.invars) + j, f"const[{j}]", v, "constant"))
+  for g, eqn_ids in enumerate(groups):
+    nodes.append(
+      _eqn_node(
+        n_in + g,
+        [jaxpr.eqns[k] for k in eqn_ids],
+        eqn_ids,
+        node_outvars[n_in + g],
+        [eqn_costs[k] for k in eqn_ids],
+        g in duplicated,
+        g in epilogues,
+        materialized,
+        None if compiled is None else compiled.scratch,
+      )
+    )
+  iotas, indices, hoisted = (
+    pool_gradient_buffers(jaxpr, groups)
+    if facts.pool_gradient_buffers_at_start
+    else ({}, {}, set())
+  )
+  for g, extra in iotas.items():
+    node = nodes[n_in + g]
+    scratch = node.attrs.get("workspace_bytes", 0) + indices[g]
+    attrs = {**node.attrs, "constant_bytes": extra, "workspace_bytes": scratch}
+    nodes[n_in + g] = dataclasses.replace(node, attrs=attrs)
+  for g in hoisted:
+    node = nodes[n_in + g]
+    nodes[n_in + g] = dataclasses.replace(node, attrs={**node.attrs, "allocated_at_start": True})
+  for v in _constants(n_in, len(nodes), edges):
+    nodes[v] = dataclasses.replace(nodes[v], attrs={**nodes[v].attrs, "constant": True})
+  node_eqns = [() for _ in range(n_in)] + [tuple(g) for g in groups]
+  if workspace:
+    nodes, edges, outputs, node_eqns, node_outvars = _add_workspace_nodes(
+      n_in, nodes, edges, outputs, node_eqns, node_outvars
+    )
+  graph = RematGraph(
+    name=name,
+    nodes=tuple(nodes),
+    edges=tuple(sorted(edges)),
+    inputs=tuple(range(n_in)),
+    outputs=tuple(outputs),
+    order=tuple(range(n_in, len(nodes)))
+    if compiled is None
+    else _compiled_order(n_in, len(nodes), edges, node_eqns, compiled.position),
+    meta={
+      "source": "jaxremat.trace",
+      "jaxpr": str(closed) if printed_jaxpr is None else printed_jaxpr,
+      "fold": fold,
+      "model": "unfolded" if not fold else "rules" if compiled is None else "compiler",
+      "workspace": workspace,
+      "costs": costs_mode,
+      "backend": platform or compat.backend_name(),
+      "target": None if target is None else target.name,
+      "jax_version": jax.__version__,
+      "n_eqns": len(jaxpr.eqns),
+      "roofline": costs.roofline_meta(costs_mode, cache_dir, target),
+      "on_chip_bytes": 0 if target is None else target.on_chip_bytes(),
+    },
+  )
+  return Program(
+    jaxpr=closed,
+    graph=graph,
+    node_eqns=tuple(node_eqns),
+    node_outvars=tuple(node_outvars),
+    signature=signature,
+    outputs=output_split,
+    baseline=None if compiled is None else compiled.measurement,
+  )
+
+
+def _constants(n_in: int, n_nodes: int, edges: set[tuple[int, int]]) -> set[int]:
+  """Equation nodes that read no input, even indirectly (a causal mask, a broadcast
+  scalar): constants of the program, which solvers may hold or remake at any time."""
+  succs: dict[int, list[int]] = {}
+  for u, w in edges:
+    succs.setdefault(u, []).append(w)
+  reached, stack = set(range(n_in)), list(range(n_in))
+  while stack:
+    for w in succs.get(stack.pop(), ()):
+      if w not in reached:
+        reached.add(w)
+        stack.append(w)
+  return set(range(n_in, n_nodes)) - reached
+
+
+def _compiled_order(
+  n_in: int,
+  n: int,
+  edges: set[tuple[int, int]],
+  node_eqns: Sequence[Sequence[int]],
+  position: dict[int, int],
+) -> tuple[int, ...]:
+  """The nodes in the order the compiler's schedule computes them (`hlo_model`).
+
+  XLA's scheduler orders a step for memory, and the jaxpr's order can hold far more (the
+  MobileNet example on TPU v5e: 1.61x the compiler's peak in jaxpr order, 0.89x in the
+  compiler's). A node the compiler keeps no buffer for goes right before its first reader;
+  one that nothing kept reads (an output the compiler computes inside another
+  instruction) right after its operands, not at the end, holding them all along.
+  """
+  readers: list[list[int]] = [[] for _ in range(n)]
+  producers: list[list[int]] = [[] for _ in range(n)]
+  for u, w in edges:
+    readers[u].append(w)
+    producers[w].append(u)
+  key = [-math.inf] * n_in + [math.inf] * (n - n_in)
+  for v in range(n - 1, n_in - 1, -1):  # readers have larger ids
+    made = [position[k] for k in node_eqns[v] if k in position]
+    key[v] = min(made) if made else min((key[w] - 0.5 for w in readers[v]), default=math.inf)
+  for v in range(n_in, n):
+    if key[v] == math.inf:
+      key[v] = max((key[u] + 0.5 for u in producers[v] if u >= n_in), default=-0.5)
+  return tuple(topological_order(n, sorted(edges), set(range(n_in)), priority=key))
+
+
+def _add_workspace_nodes(n_in, nodes, edges, outputs, node_eqns, node_outvars):
+  """Puts a scratch node right before each node with ``workspace_bytes``.
+
+  The scratch node has no equations and no values; its only reader is the node it
+  serves, so under FORMATS.md semantics it is live exactly while that node computes
+  (and again whenever a schedule recomputes it), as XLA's scratch buffers are.
+  """
+  new_id: dict[int, int] = {v: v for v in range(n_in)}
+  out_nodes = list(nodes[:n_in])
+  out_eqns = list(node_eqns[:n_in])
+  out_vars = list(node_outvars[:n_in])
+  scratch_edges = []
+  for node in nodes[n_in:]:
+    scratch = node.attrs.get("workspace_bytes", 0)
+    if scratch:
+      w = len(out_nodes)
+      attrs = {
+        "primitive": "workspace",
+        "shapes": [],
+        "dtypes": [],
+        "flops": 0.0,
+        "bytes_accessed": 0.0,
+        "source": node.attrs["source"],
+        "name_stack": node.attrs["name_stack"],
+        "backward": node.attrs["backward"],
+        "eqns": [],
+        "cost_source": "none",
+        "workspace_for": w + 1,
+      }
+      out_nodes.append(Node(w, f"workspace of {node.name}", scratch, 0.0, attrs))
+      out_eqns.append(())
+      out_vars.append(())
+      scratch_edges.append((w, w + 1))
+    new_id[node.id] = len(out_nodes)
+    out_nodes.append(dataclasses.replace(node, id=len(out_nodes)))
+    out_eqns.append(node_eqns[node.id])
+    out_vars.append(node_outvars[node.id])
+  new_edges = {(new_id[u], new_id[v]) for u, v in edges} | set(scratch_edges)
+  return out_nodes, new_edges, [new_id[v] for v in outputs], out_eqns, out_vars
+
+
+def _avals_attrs(vs: Sequence[Any]) -> dict[str, Any]:
+  shapes = [list(getattr(v.aval, "shape", ())) for v in vs]
+  dtypes = [str(getattr(v.aval, "dtype", type(v.aval).__name__)) for v in vs]
+  attrs: dict[str, Any] = {"shapes": shapes, "dtypes": dtypes}
+  if len(vs) == 1:
+    attrs["shape"], attrs["dtype"] = shapes[0], dtypes[0]
+  return attrs
+
+
+def _input_node(i: int, name: str, v: Any, kind: str, held_bytes: int | None = None) -> Node:
+  """An input's node; ``held_bytes``, as the compiler holds it, instead of its aval's."""
+  attrs = {"primitive": kind, **_avals_attrs([v]), "eqns": []}
+  mem = compat.aval_bytes(v.aval) if held_bytes is None else held_bytes
+  return Node(i, name, mem, 0.0, attrs)
+
+
+def _eqn_node(
+  i: int,
+  eqns: list[Any],
+  eqn_ids: list[int],
+  outvars: Sequence[Any],
+  eqn_costs: list[Any],
+  duplicated: bool,
+  epilogue: bool,
+  materialized: dict[Any, int],
+  scratch: dict[int, int] | None = None,
+) -> Node:
+  root = eqns[-1]
+  prim = root.primitive.name
+  source = compat.eqn_source(root)
+  stack = compat.name_stack_str(root)
+  # A duplicated value (or a dot fused into its readers) lives only inside its readers'
+  # fusions: XLA keeps nothing.
+  kept = sum(materialized.get(v, compat.aval_bytes(v.aval)) for v in outvars)
+  out_bytes = 0 if duplicated or epilogue else kept
+  if scratch is None:
+    workspace = sum(workspace_bytes(e) for e in eqns)
+  else:  # the compiler's own copies (`hlo_model`)
+    workspace = sum(scratch.get(k, 0) for k in eqn_ids)
+  attrs: dict[str, Any] = {
+    "primitive": prim,
+    **_avals_attrs(outvars),
+    "flops": float(sum(c.flops for c in eqn_costs)),
+    "bytes_accessed": float(sum(c.bytes_accessed for c in eqn_costs)),
+    "source": source,
+    "name_stack": stack,
+    "backward": "transpose(" in stack,
+    "eqns": list(eqn_ids),
+    "cost_source": _merge_sources(c.source for c in eqn_costs),
+  }
+  if len(eqns) > 1:
+    attrs["fused"] = [e.primitive.name for e in eqns]
+  if workspace:
+    attrs["workspace_bytes"] = workspace
+  if duplicated:
+    attrs["duplicated"] = True
+  if epilogue:
+    attrs["epilogue"] = True
+  if kept != sum(compat.aval_bytes(v.aval) for v in outvars):
+    attrs["materialized_bytes"] = kept
+  if any(e.effects for e in eqns):
+    attrs["effectful"] = True
+  if prim in HIGHER_ORDER_PRIMITIVES:
+    attrs["internal_bytes"] = internal_bytes(root)
+  short = (
+    os.path.basename(source.split(":")[0]) + ":" + source.split(":")[1] if ":" in source else source
+  )
+  return Node(i, f"{prim} @ {short}", out_bytes, float(sum(c.seconds for c in eqn_costs)), attrs)
+
+
+def _merge_sources(sources) -> str:
+  s = set(sources)
+  return s.pop() if len(s) == 1 else "mixed"
