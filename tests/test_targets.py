@@ -621,12 +621,12 @@ def test_cudnn_convolutions_count_as_convolutions_in_the_gpu_hlo():
   assert "__cudnn$conv" in hlo and count_hlo_ops(hlo)["convolution"] == 2  # forward, filter
 
 
-def test_a_plan_the_compiler_undoes_is_pinned_then_hands_over_to_segment_plans(tmp_path):
-  """The first plan from `auto` for the GPT example on TPU v5e at 0.9 realizes less than
-  half of the saving the model predicted (near the original's peak). The planner compiles
-  the same plan again with every event fenced in its order, then, where that is undone
-  too, plans of whole segments, shortest first, instead of tightening `auto`'s; one of
-  those meets the budget."""
+def test_the_compiler_keeps_what_a_tpu_plan_saves_and_two_plans_meet_the_budget(tmp_path):
+  """The GPT example on TPU v5e at 0.9: XLA realizes at least half of the saving the model
+  predicted for every plan (none is undone), and `auto`'s second plan, planned below the
+  first by what XLA measured beyond the budget, meets it. Before `emit` evaluated values
+  without a buffer inside their readers, XLA measured the first plan near the original's
+  peak, and it took a pinned retry and plans of whole segments to meet the budget."""
   import examples
 
   needs("tpu-v5e")
@@ -635,18 +635,11 @@ def test_a_plan_the_compiler_undoes_is_pinned_then_hands_over_to_segment_plans(t
   plan = jaxremat.optimize(step, budget=0.9, **options).plan(*args)
   assert plan.measured_peak_bytes <= plan.budget_bytes
   solved = [a for a in plan.attempts if a.origin == "solve"]
-  first = solved[0]
-  assert (first.solver, first.pin) == ("auto", "recomputations")
   predicted_baseline = plan.schedule.stats["optimize"]["predicted_baseline_peak_bytes"]
-  undone = [
-    plan.baseline_peak_bytes - a.measured_peak_bytes
-    < _UNDONE_SHARE * (predicted_baseline - a.predicted_peak_bytes)
-    for a in solved
-  ]
-  assert undone[0] and solved[1].solver == "auto" and solved[1].pin == "all"
-  assert solved[1].predicted_peak_bytes == first.predicted_peak_bytes
-  later = solved[2:] if undone[1] else []
-  assert all(a.solver in _SEGMENT_SOLVERS for a in later)
+  for a in solved:
+    realized = plan.baseline_peak_bytes - a.measured_peak_bytes
+    assert realized >= _UNDONE_SHARE * (predicted_baseline - a.predicted_peak_bytes)
+  assert len(solved) <= 2 and all(a.pin == "recomputations" for a in solved)
 
 
 def test_a_plan_that_only_reorders_is_pinned_in_its_order(tmp_path):
