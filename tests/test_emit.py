@@ -252,7 +252,7 @@ def test_fence_waits_for_a_value_xla_cannot_fold():
   # it folded `jnp.var`'s `N - ddof > 0` and merged the recomputed convolutions (the slow
   # test below). The fence must wait for a value that depends on an input.
   def f(x, w):
-    h = jnp.tanh(x @ w)  # kept: a dot XLA:CPU fuses into its readers would have no buffer
+    h = x @ w
     s = jnp.sum(jnp.sin(h))
     r = jnp.arange(32.0) * jnp.arange(32.0)
     return s * jnp.sum(r) + jnp.sum(jnp.cos(h) * r)
@@ -267,7 +267,7 @@ def test_fence_waits_for_a_value_xla_cannot_fold():
     return not any(x in varying for i in program.node_eqns[v] for x in eqns[i].outvars)
 
   constants = [v for v in graph.order if constant(v)]
-  (dot,) = [v for v in graph.order if "dot_general" in graph.nodes[v].attrs.get("fused", ())]
+  (dot,) = [v for v in graph.order if graph.nodes[v].attrs.get("primitive") == "dot_general"]
   readers = [v for v in graph.order if v != dot and v not in constants]
   assert len(constants) == 2 and len(readers) == 2
   # The dot, its first reader, the last constant, then the dot again for the other reader.
@@ -311,6 +311,23 @@ def test_a_value_without_a_buffer_is_read_from_the_recomputed_copy_of_its_operan
   report = verify(f, emitted, schedule, x, w)
   assert report.outputs_match and report.planned_recomputes == {"dot": 1}
   assert report.recomputes_survive
+
+
+def test_a_dot_fused_with_its_readers_runs_once_when_every_reader_is_pinned():
+  # XLA:CPU fuses the dot with both its readers (the graph's `epilogue`, no buffer). Each
+  # pinned reader waits behind a fence of its own; evaluated in each, the dot would run
+  # once per reader.
+  def f(x, w):
+    h = x @ w
+    return jnp.sum(jnp.sin(h)) + jnp.sum(jnp.cos(h) * jnp.arange(32.0))
+
+  x = jax.random.normal(jax.random.key(0), (64, 32))
+  w = jax.random.normal(jax.random.key(1), (32, 32))
+  program = trace_program(f, x, w, costs="shape")
+  assert any(n.attrs.get("epilogue") for n in program.graph.nodes)
+  emitted = emit(program, jaxremat.baseline_schedule(program.graph), pin="all")
+  hlo = jax.jit(emitted).lower(x, w).compile().as_text()
+  assert count_hlo_ops(hlo)["dot"] == 1
 
 
 def test_smallest_operand_is_routed(mlp):

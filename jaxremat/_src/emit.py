@@ -295,21 +295,22 @@ def inlined_reads(program: Any) -> tuple[tuple[int, ...] | None, ...]:
   """Per node, the nodes without a buffer that it reads, directly or through each other,
   in graph order; None for those nodes themselves.
 
-  A value XLA duplicates into each reader's fusion, or a dot it fuses into its readers
-  (node attributes ``duplicated``, ``epilogue``), has no bytes in the graph: its readers
-  hold its operands instead (`program.build_program` gives them its operands' edges). So
-  the emitted program evaluates it inside each reader, from the copies of its operands
-  live there. Read from its own first computation, it kept that first copy of a
-  recomputed operand live as well: on the ResNet step for TPU v5e, three 8 MiB
-  convolution outputs that a plan recomputed stayed live through the backward pass.
+  A value XLA duplicates into each reader's fusion (node attribute ``duplicated``) has no
+  bytes in the graph: its readers hold its operands instead (`program.build_program`
+  gives them its operands' edges). So the emitted program evaluates it inside each
+  reader, from the copies of its operands live there, as XLA does. Read from its own
+  first computation, it kept that first copy of a recomputed operand live as well: on the
+  ResNet step for TPU v5e, three 8 MiB convolution outputs that a plan recomputed stayed
+  live through the backward pass. A dot XLA:CPU fuses with all its readers (``epilogue``)
+  stays a computation of its own: its readers run right after it, and evaluated in each
+  reader's fenced run it would be computed once per reader.
   """
   graph, eqns = program.graph, program.jaxpr.jaxpr.eqns
   outputs = set(_vars(program.jaxpr.jaxpr.outvars))
   inline = {
     v
     for v, node in enumerate(graph.nodes)
-    if (node.attrs.get("duplicated") or node.attrs.get("epilogue"))
-    and not outputs & set(program.node_outvars[v])
+    if node.attrs.get("duplicated") and not outputs & set(program.node_outvars[v])
   }
   made_by = {x: v for v in inline for x in program.node_outvars[v]}
   out: list[tuple[int, ...] | None] = []
