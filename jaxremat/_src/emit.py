@@ -140,8 +140,8 @@ def emit(
     fn = program_or_fn
     # Emitting needs the graph's structure and sizes only, not measured costs.
     program = trace_program(fn, *example_args, fold=fold, costs="shape", **example_kwargs)
-  runs = plan_runs(program, schedule, fence=fence, pin=pin)
   inlined = inlined_reads(program)
+  runs = plan_runs(program, schedule, fence=fence, pin=pin, inlined=inlined)
 
   def emitted(*args: Any, **kwargs: Any) -> Any:
     return _Evaluator(program, inlined).execute(runs, fence, *args, **kwargs)
@@ -196,19 +196,21 @@ def check_schedule(program: Any, schedule: Schedule) -> None:
     seen.add(v)
 
 
-def live_computes(program: Any, schedule: Schedule) -> list[tuple[int, bool]]:
+def live_computes(
+  program: Any, schedule: Schedule, inlined: Sequence[tuple[int, ...] | None] | None = None
+) -> list[tuple[int, bool]]:
   """``(node, is_recompute)`` for each compute event whose result is used.
 
   A compute none of whose values is read before the node is computed again (and that is
   no output, and has no effect) does nothing; XLA would delete it, so it is not emitted
   and not counted as a planned recomputation. Nodes that XLA keeps no buffer of are
-  evaluated inside their readers (`inlined_reads`), not on their own.
+  evaluated inside their readers (``inlined``, default `inlined_reads`), not on their own.
   """
   eqns = program.jaxpr.jaxpr.eqns
   graph = program.graph
-  inlined = inlined_reads(program)
+  inlined = inlined_reads(program) if inlined is None else inlined
   computes = [v for v in schedule.computes if inlined[v] is not None]
-  live = {x for x in program.jaxpr.jaxpr.outvars if not isinstance(x, compat.Literal)}
+  live = set(_vars(program.jaxpr.jaxpr.outvars))
   used = [False] * len(computes)
   for k in range(len(computes) - 1, -1, -1):
     v = computes[k]
@@ -226,7 +228,12 @@ def live_computes(program: Any, schedule: Schedule) -> list[tuple[int, bool]]:
 
 
 def plan_runs(
-  program: Any, schedule: Schedule, *, fence: str = "select", pin: str = "all"
+  program: Any,
+  schedule: Schedule,
+  *,
+  fence: str = "select",
+  pin: str = "all",
+  inlined: Sequence[tuple[int, ...] | None] | None = None,
 ) -> tuple[_Run, ...]:
   """The compute events of ``schedule`` grouped into runs, with what each run's fence needs.
 
@@ -241,24 +248,24 @@ def plan_runs(
       untaken branch cannot stand in for (PRNG keys, tokens).
   """
   check_schedule(program, schedule)
+  inlined = inlined_reads(program) if inlined is None else inlined
   producer: dict[Any, int] = {}
   for v, outvars in enumerate(program.node_outvars):
     for var in outvars:
       producer[var] = v
   groups: list[tuple[list[int], bool]] = []
-  for v, recompute in live_computes(program, schedule):
+  for v, recompute in live_computes(program, schedule, inlined):
     if recompute and groups and groups[-1][1] and v not in groups[-1][0]:
       groups[-1][0].append(v)
     else:
       groups.append(([v], recompute))
   eqns = program.jaxpr.jaxpr.eqns
   varying = _input_dependent(program)
-  inlined = inlined_reads(program)
   emitted = [_emitted_eqns(program, nodes, inlined) for nodes, _ in groups]
   reads = [_external_reads(program, eqn_ids) for eqn_ids in emitted]
   makes = [{x for i in eqn_ids for x in eqns[i].outvars} for eqn_ids in emitted]
   # Liveness, backwards: what each run must hand on to later runs and the outputs.
-  live = {x for x in program.jaxpr.jaxpr.outvars if not isinstance(x, compat.Literal)}
+  live = set(_vars(program.jaxpr.jaxpr.outvars))
   results: list[tuple[Any, ...]] = [()] * len(groups)
   for k in range(len(groups) - 1, -1, -1):
     results[k] = tuple(x for x in _ordered_outvars(program, groups[k][0]) if x in live)
@@ -479,6 +486,7 @@ class _Evaluator:
   def __init__(self, program: Any, inlined: Sequence[tuple[int, ...] | None]):
     self.program, self.inlined = program, inlined
     self.outer_stack = compat.current_name_stack()
+    self.reads: dict[int, list[Any]] = {}  # inlined node -> the vars it reads
     self.last: dict[int, tuple[list[Any], list[Any]]] = {}  # inlined node -> operands, outputs
 
   def execute(self, runs: Sequence[_Run], fence: str, *args: Any, **kwargs: Any) -> Any:
@@ -534,7 +542,9 @@ class _Evaluator:
 
   def eval_inlined(self, u: int, env: dict) -> None:
     eqn_ids = self.program.node_eqns[u]
-    operands = [env[x] for x in _external_reads(self.program, eqn_ids)]
+    if u not in self.reads:
+      self.reads[u] = _external_reads(self.program, eqn_ids)
+    operands = [env[x] for x in self.reads[u]]
     outvars = self.program.node_outvars[u]
     last = self.last.get(u)
     if last is not None and all(a is b for a, b in zip(last[0], operands, strict=True)):
