@@ -35,17 +35,22 @@ Run from the repository root:
   python -m benchmarks.e2e --quick             # U-Net and ResNet at 0.7 (a few minutes)
   python -m benchmarks.e2e --target tpu-v5e    # for TPU v5e, on this machine
   python -m benchmarks.e2e --target tpu-v5e --batch-scale 8  # temporaries past TPU VMEM
+  python -m benchmarks.e2e --device-peaks      # on a GPU or TPU: memory_stats peaks too
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import csv
 import json
 import os
 import pathlib
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -129,6 +134,33 @@ def variants_for(target: jaxremat.Target) -> tuple[str, ...]:
   return (*_common.CHECKPOINT_VARIANTS, *offload)
 
 
+def example_step(name: str, variant: str | None, small: bool = False, batch_scale: int = 1):
+  """One example's Adam training step, checkpointed by hand as ``variant``
+  (`examples._common.checkpointed_loss`), and its arguments."""
+  module = examples.load(name)
+  sizes = dict(module.SMALL) if small else {}
+  if batch_scale != 1:
+    sizes["batch"] = sizes.get("batch", _common.default_batch(module)) * batch_scale
+  params, batch = _common.example_args(module, **sizes)
+  return _common.make_train_step(_common.checkpointed_loss(module, variant), params, batch)
+
+
+def optimize_example(step, budget: float, time_limit_s: float, target, cache_dir=None, **kwargs):
+  """`jaxremat.optimize` as this benchmark calls it; with ``cache_dir`` its plans are kept
+  there, so that another process (benchmarks/device_peak.py) runs them without solving."""
+  return jaxremat.optimize(
+    step,
+    budget=budget,
+    solver="auto",
+    time_limit=time_limit_s,
+    cache_dir=cache_dir,
+    use_cache=cache_dir is not None,
+    progress=False,
+    target=target,
+    **kwargs,
+  )
+
+
 def run_example(
   name: str,
   budgets,
@@ -137,22 +169,15 @@ def run_example(
   small: bool,
   target: jaxremat.Target,
   batch_scale: int = 1,
+  cache_dir: str | None = None,
 ) -> list[dict]:
   """Every method on one example's training step; one row per method (and budget).
 
   Wall times and the variants' outputs are taken only where ``target`` runs here.
-  ``batch_scale`` multiplies the example's batch size.
+  ``batch_scale`` multiplies the example's batch size. ``cache_dir``: keep the plans in
+  this plan cache (default: no cache, every budget solved afresh).
   """
-  module = examples.load(name)
-  sizes = dict(module.SMALL) if small else {}
-  if batch_scale != 1:
-    sizes["batch"] = sizes.get("batch", _common.default_batch(module)) * batch_scale
-  params, batch = _common.example_args(module, **sizes)
-
-  def step_for(variant):
-    return _common.make_train_step(_common.checkpointed_loss(module, variant), params, batch)
-
-  step, args = step_for(None)
+  step, args = example_step(name, None, small, batch_scale)
   base = jaxremat.measure(step, *args, runs=0, target=target)
   timed = [jax.jit(step)]  # the rows' compiled steps, timed together at the end
   reference = noise_envelope(step, *args)
@@ -164,7 +189,7 @@ def run_example(
     | agreement(reference.expected, reference)
   ]
   for variant in variants_for(target):
-    step, args = step_for(variant)
+    step, args = example_step(name, variant, small, batch_scale)
     m = jaxremat.measure(step, *args, runs=0, target=target)
     row = {**common, "method": f"jax.checkpoint {variant}", **_figures(m, base, budgets_bytes)}
     if target.local:
@@ -172,19 +197,11 @@ def run_example(
       row |= agreement(timed[-1](*args), reference)
     rows.append(row)
 
-  step, args = step_for(None)
+  step, args = example_step(name, None, small, batch_scale)
   for budget in budgets:
     row = {**common, "method": "jaxremat auto", "budget": budget}
     row["budget_bytes"] = budgets_bytes[budget]
-    fast = jaxremat.optimize(
-      step,
-      budget=budget,
-      solver="auto",
-      time_limit=time_limit_s,
-      use_cache=False,
-      progress=False,
-      target=target,
-    )
+    fast = optimize_example(step, budget, time_limit_s, target, cache_dir)
     start = time.perf_counter()
     try:
       plan = fast.plan(*args)
@@ -234,6 +251,38 @@ def run_example(
   for row in rows:
     _print_row(row)
   return rows
+
+
+def add_device_peaks(rows: list[dict], time_limit_s, small, batch_scale, cache_dir) -> None:
+  """Runs each row's method once in a fresh process (benchmarks/device_peak.py) and adds
+  the device's peak (``memory_stats``) beside the compiler's."""
+
+  def run(row: dict) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "benchmarks.device_peak", row["example"], row["method"]]
+    command += ["--time-limit", str(time_limit_s), "--batch-scale", str(batch_scale)]
+    command += ["--small"] if small else []
+    if "budget" in row:
+      command += ["--budget", str(row["budget"]), "--cache-dir", cache_dir]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+  rows = [row for row in rows if "error" not in row]
+  # Each process's allocator is its own, so the processes may share the device.
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    runs = list(pool.map(run, rows))
+  for row, done in zip(rows, runs, strict=True):
+    if done.returncode:
+      row["device_peak_error"] = done.stderr.strip().splitlines()[-1]
+    else:
+      got = json.loads(done.stdout.strip().splitlines()[-1])
+      peak = got["device_peak_bytes"]
+      row["device"] = got | {"device_over_xla": peak and peak / row["xla_peak_bytes"]}
+    device = row.get("device", {})
+    print(
+      f"{row['example']:10} {row['method']} {row.get('budget', '')}: device peak "
+      f"{(device.get('device_peak_bytes') or 0) / 2**20:.2f} MiB, compiler "
+      f"{row['xla_peak_bytes'] / 2**20:.2f} MiB {row.get('device_peak_error', '')}",
+      flush=True,
+    )
 
 
 def _print_row(row: dict) -> None:
@@ -437,7 +486,7 @@ def plot(rows: list[dict], budgets, tag: str, target: jaxremat.Target) -> None:
   ax.set_ylabel("median wall time / no remat")
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.legend(fontsize=6, ncol=2)
-  ax.set_title(f"Wall time on XLA:CPU (load average {os.getloadavg()[0]:.1f})")
+  ax.set_title(f"Wall time on {target.device_kind} (load average {os.getloadavg()[0]:.1f})")
   fig.tight_layout()
   fig.savefig(RESULTS / f"{tag}_time.png", dpi=110)
 
@@ -463,6 +512,12 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument(
     "--target", help="compile for this device (jaxremat.get_target, e.g. tpu-v5e, h100)"
   )
+  parser.add_argument(
+    "--device-peaks",
+    action="store_true",
+    help="on this machine's GPU or TPU, also run each method alone in a fresh process and "
+    "record the device's peak_bytes_in_use (benchmarks/device_peak.py)",
+  )
   args = parser.parse_args(argv)
   # Before any array exists: a GPU target may need JAX started a particular way.
   target = jaxremat.get_target(args.target)
@@ -483,10 +538,13 @@ def main(argv: list[str] | None = None) -> None:
   RESULTS.mkdir(parents=True, exist_ok=True)
   # A run over chosen examples is saved beside the full one, not over it.
   tag = "e2e_quick" if args.quick else f"e2e_{'_'.join(names)}" if args.examples else "e2e"
-  if args.target:
-    tag += f"_{target.name}"
+  if target.platform != "cpu":  # named or this machine's accelerator ("gpu:NVIDIA H200")
+    tag += "_" + re.sub(r"[^A-Za-z0-9.-]+", "_", target.name)
   if args.batch_scale != 1:
     tag += f"_batchx{args.batch_scale}"
+  if args.device_peaks and not (target.local and target.platform in ("gpu", "tpu")):
+    parser.error(f"--device-peaks needs a GPU or TPU here; the target is {target.name!r}.")
+  cache_dir = tempfile.mkdtemp(prefix="jaxremat-e2e-") if args.device_peaks else None
 
   start, loads = time.perf_counter(), [os.getloadavg()[0]]
   if args.rerun_solvers:
@@ -498,7 +556,12 @@ def main(argv: list[str] | None = None) -> None:
 
   rows: list[dict] = []
   for name in names:
-    rows += run_example(name, budgets, time_limit_s, runs, args.small, target, args.batch_scale)
+    found = run_example(
+      name, budgets, time_limit_s, runs, args.small, target, args.batch_scale, cache_dir
+    )
+    if args.device_peaks:
+      add_device_peaks(found, time_limit_s, args.small, args.batch_scale, cache_dir)
+    rows += found
     loads.append(os.getloadavg()[0])
     # Saved after every example, so that an interrupted run keeps what it measured.
     unmet = [r for r in rows if r.get("jaxremat_reports_met") and not r.get("xla_met")]

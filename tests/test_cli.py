@@ -9,6 +9,8 @@ import sys
 import pytest
 from conftest import SHARED_GRAPHS, shared_graph
 
+from jaxremat._src.compat import CPU_BARRIER_HOLDS
+
 
 def run(*args):
   proc = subprocess.run(
@@ -158,6 +160,7 @@ def test_targets_lists_each_target_with_its_facts_measured():
   code, out, err = run("targets", "cpu", "tpu-v5e")
   assert code == 0, err
   cpu = next(line for line in out.splitlines() if line.startswith("cpu "))
-  assert "select" in cpu and cpu.count("no (measured no)") == 2
+  # The barrier holds on XLA:CPU from jaxlib 0.11 on; reductions never take shared values.
+  assert "select" in cpu and cpu.count("no (measured no)") == 1 + (not CPU_BARRIER_HOLDS)
   tpu = next(line for line in out.splitlines() if line.startswith("tpu-v5e "))
   assert "yes (measured yes)" in tpu or 'pip install -e ".[tpu-aot]"' in tpu

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
+from jaxremat._src import compat
+
 # (rtol, atol) for an optimized function's outputs against the original's, by dtype name.
 # Recomputation runs the same equations on the same values; what differs is how XLA fuses
 # and orders the reductions around them, which moves results by a few ulps of the
@@ -37,8 +39,8 @@ class BackendFacts:
     platform: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (``jax.default_backend()``).
     fence: the fence `jaxremat.emit` uses there by default.
     barrier_holds: whether recomputation behind ``lax.optimization_barrier`` survives XLA's
-      optimizations. XLA:CPU expands the barrier before CSE and merges the recomputation
-      away (ARCHITECTURE.md fact 1, JAX issue 19822); GPU and TPU keep it.
+      optimizations. XLA:CPU up to jaxlib 0.10 merges it away, 0.11 keeps it
+      (`compat.CPU_BARRIER_HOLDS`); GPU and TPU keep it.
     device_memory_stats: whether ``device.memory_stats()`` reports ``peak_bytes_in_use``.
       ``compiled.memory_analysis()`` exists everywhere; the device's own high-water mark
       only on GPU and TPU.
@@ -60,6 +62,13 @@ class BackendFacts:
       computes the iotas inside the pool's fusion: the model with those buffers put a max
       pool's gradient for H100 at 28 MiB, which its compiler measured at 13 MiB
       (tests/test_targets.py).
+    float32_dot_eps_default: the unit roundoff of a float32 dot or convolution at JAX's
+      default matmul precision: XLA:GPU runs them in TensorFloat-32 (10 mantissa bits) on
+      Ampere and newer, TPU in one bfloat16 pass (7 bits). A plan whose recomputed dots
+      take other algorithms differs from the original by that much: on an H200 the GPT
+      step's plan at 0.7 moved one 128-element gradient leaf by a norm-wise 12.5% and was
+      rejected at float32's eps, and ``dots_saveable`` moved ResNet's gradient by 3.6%
+      (1e-7 on XLA:CPU). The verifier takes `float32_dot_eps` (benchmarks/README.md).
   """
 
   platform: str
@@ -69,6 +78,14 @@ class BackendFacts:
   tolerances: Mapping[str, tuple[float, float]]
   reductions_duplicate_producers: bool
   pool_gradient_buffers_at_start: bool
+  float32_dot_eps_default: float
+
+  def float32_dot_eps(self) -> float:
+    """``float32_dot_eps_default``, or float32's own eps where JAX's default matmul
+    precision is set to full float32 (``jax.default_matmul_precision("highest")``)."""
+    if str(jax.config.jax_default_matmul_precision).lower() in ("highest", "float32"):
+      return float(np.finfo(np.float32).eps)
+    return self.float32_dot_eps_default
 
   def tolerance(self, dtype: object) -> tuple[float, float]:
     """(rtol, atol) for arrays of ``dtype``; (0, 0) for integers, booleans and keys."""
@@ -77,13 +94,15 @@ class BackendFacts:
 
 
 _FACTS = {
-  # XLA:CPU needs a data-dependent fence: "select" held on every schedule of
-  # benchmarks/emit.py and stayed closest to the planned peak ("cond" copies every routed
-  # value at once).
-  "cpu": BackendFacts("cpu", "select", False, False, _CPU_TOLERANCES, False, True),
+  # XLA:CPU up to jaxlib 0.10 needs a data-dependent fence: "select" held on every
+  # schedule of benchmarks/emit.py and stayed closest to the planned peak ("cond" copies
+  # every routed value at once). It holds on 0.11 too, where the barrier also does.
+  "cpu": BackendFacts(
+    "cpu", "select", compat.CPU_BARRIER_HOLDS, False, _CPU_TOLERANCES, False, True, 2.0**-23
+  ),
   # The barrier holds on GPU and TPU, and a cond would cost a host round trip there.
-  "gpu": BackendFacts("gpu", "barrier", True, True, _GPU_TOLERANCES, False, False),
-  "tpu": BackendFacts("tpu", "barrier", True, True, _TPU_TOLERANCES, True, False),
+  "gpu": BackendFacts("gpu", "barrier", True, True, _GPU_TOLERANCES, False, False, 2.0**-10),
+  "tpu": BackendFacts("tpu", "barrier", True, True, _TPU_TOLERANCES, True, False, 2.0**-7),
 }
 
 

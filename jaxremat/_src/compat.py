@@ -64,6 +64,11 @@ BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Elementwise primitives newer JAX versions emit where older ones emitted several:
 # jax 0.11 writes tanh's derivative `1 - y^2` as one `one_minus_square`.
 NEW_ELEMENTWISE_PRIMITIVES = frozenset({"one_minus_square"})
+# XLA:CPU up to jaxlib 0.10 expands `optimization_barrier` before CSE and merges the
+# recomputation behind it away (ARCHITECTURE.md fact 1, JAX issue 19822); jaxlib 0.11.2
+# keeps it: the 16-layer MLP emitted from a 3-segment plan with fence="barrier" compiles
+# to 20 dots there, 17 plus the 3 planned (tests/test_backends.py).
+CPU_BARRIER_HOLDS = tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 11)
 
 
 def open_jaxpr(jaxpr: Any) -> tuple[Any, list[Any]]:

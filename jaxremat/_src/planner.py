@@ -11,7 +11,6 @@ Every plan it hands out was verified in this process, also one read from the pla
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import logging
 import math
 import sys
@@ -42,7 +41,7 @@ from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import Progress, get_solver
 from jaxremat._src.solvers.replay import resequence
-from jaxremat._src.targets import Target, get_target
+from jaxremat._src.targets import Target, get_target, installed_version
 from jaxremat._src.trace import trace_program
 from jaxremat._src.verify import (
   Verification,
@@ -718,14 +717,14 @@ def _cache_keys(program, signature, budget_bytes, opts: PlanOptions) -> _Keys:
     budget_bytes=budget_bytes,
     solver=opts.solver,
     options=opts.solver_options,
-    time_limit=opts.time_limit,
+    time_limit=float(opts.time_limit),  # 60 and 60.0 are the same plan
     max_replans=opts.max_replans,
   )
   return _Keys(program_key, plan_key)
 
 
 def _versions() -> dict[str, str]:
-  return {name: importlib.metadata.version(name) for name in ("jax", "jaxlib", "jaxremat")}
+  return {name: installed_version(name) for name in ("jax", "jaxlib", "jaxremat")}
 
 
 def _progress_printer(

@@ -544,8 +544,9 @@ def measure_facts(target: str | Target | None = None) -> dict[str, bool]:
   ``jaxremat targets`` compare the two.
 
   Example:
-    >>> sorted(fact for fact, holds in measure_facts("cpu").items() if holds)
-    ['pool_gradient_buffers_at_start']
+    >>> facts = measure_facts("cpu")
+    >>> facts["reductions_duplicate_producers"], facts["pool_gradient_buffers_at_start"]
+    (False, True)
   """
   target = get_target(target)
   x = jax.ShapeDtypeStruct((256, 64), np.float32)
@@ -594,7 +595,7 @@ def facts_report(names: Sequence[str] | None = None) -> tuple[str, bool]:
     whose compiler is not installed is listed with the extra it needs.
   """
   versions = ", ".join(
-    f"{package} {_version(package)}" for package in ("jax", "libtpu", "jax-cuda12-plugin")
+    f"{package} {installed_version(package)}" for package in ("jax", "libtpu", "jax-cuda12-plugin")
   )
   lines = [
     f"jaxremat targets ({versions})",
@@ -633,7 +634,8 @@ def _yes(value: bool) -> str:
   return "yes" if value else "no"
 
 
-def _version(package: str) -> str:
+def installed_version(package: str) -> str:
+  """``package``'s installed version, or "not installed" (e.g. a source checkout on the path)."""
   try:
     return importlib.metadata.version(package)
   except importlib.metadata.PackageNotFoundError:

@@ -207,7 +207,10 @@ def compare_outputs(
     two perturbed copies of its inputs, ``x * (1 + delta * s)`` and ``x * (1 - delta * s)``,
     with ``s`` a fixed pseudo-random +-1 per element (+1 with probability 3/4, from
     ``seed``) on floating-point input leaves only; ``delta = min(64 * eps, 2**-5)`` for the
-    lowest-precision floating dtype among the inputs and the outputs. An element's
+    lowest-precision floating dtype among the inputs and the outputs, float32 counted at
+    the precision the backend's float32 dots have (TensorFloat-32 on GPU, bfloat16 on
+    TPU: `BackendFacts.float32_dot_eps`, since a recomputed dot may take another
+    algorithm). An element's
     envelope is ``max_k |f_k - expected|``. With ``d = |got - expected|`` and ``floor = 4 *
     eps(leaf) * (|expected| + rms(expected))``, a leaf's noise ratio is
     ``||d|| / (C ||envelope|| + ||floor||)``, ``C = NOISE_FACTOR`` (8), and also, unless the
@@ -269,11 +272,13 @@ def compare_outputs(
   return compare_with_envelope(envelope, got, rtol=rtol, atol=atol)
 
 
-def perturbation_size(dtypes: Sequence[Any]) -> float:
+def perturbation_size(dtypes: Sequence[Any], float32_eps: float = 2.0**-23) -> float:
   """``delta = min(64 * eps, 2**-5)`` for the lowest-precision floating dtype in ``dtypes``.
 
   Args:
     dtypes: the dtypes of a function's inputs and outputs; non-floating ones are ignored.
+    float32_eps: the eps float32 values are computed with: larger than float32's own
+      where the backend runs float32 dots in a narrower format (`BackendFacts.float32_dot_eps`).
 
   Returns:
     delta, a power of two, so ``1 +- delta`` is exact in every dtype of ``dtypes`` (but
@@ -285,8 +290,14 @@ def perturbation_size(dtypes: Sequence[Any]) -> float:
     True
     >>> perturbation_size([jnp.float32, jnp.bfloat16])
     0.03125
+    >>> perturbation_size([jnp.float32], float32_eps=2.0**-10)  # TensorFloat-32 dots
+    0.03125
   """
-  eps = [float(jnp.finfo(d).eps) for d in dtypes if _is_inexact(d)]
+  eps = [
+    max(float(jnp.finfo(d).eps), float32_eps if d == jnp.float32 else 0.0)
+    for d in dtypes
+    if _is_inexact(d)
+  ]
   return min(_PERTURBATION_ULPS * max(eps), _MAX_PERTURBATION) if eps else 0.0
 
 
@@ -352,7 +363,8 @@ def _noise_envelope(
   leaves = jax.tree.leaves(expected)
   inputs = [x.dtype for x in jax.tree.leaves((args, kwargs)) if hasattr(x, "dtype")]
   spreads: list[np.ndarray | None] = [None] * len(leaves)
-  delta = perturbation_size(inputs + [x.dtype for x in leaves])
+  # The optimized step ran on the default backend, whose float32 dots may be narrower.
+  delta = perturbation_size(inputs + [x.dtype for x in leaves], backend_facts().float32_dot_eps())
   if not (perturb and any(map(_is_inexact, inputs)) and any(_is_inexact(x.dtype) for x in leaves)):
     return NoiseEnvelope(expected, tuple(spreads), 0.0)
   for scale in (delta, -delta):
