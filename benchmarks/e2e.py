@@ -237,6 +237,8 @@ def run_example(
       status=stats.get("status"),
       n_plans=len(plan.attempts),
       predicted_peak_bytes=stats["optimize"]["predicted_peak_bytes"],
+      predicted_flops_ratio=stats["optimize"]["predicted_flops"]
+      / stats["optimize"]["predicted_baseline_flops"],
       jaxremat_baseline_peak_bytes=plan.baseline_peak_bytes,
       jaxremat_measured_peak_bytes=plan.measured_peak_bytes,
       jaxremat_reports_met=plan.measured_peak_bytes <= plan.budget_bytes,
@@ -296,7 +298,8 @@ def _print_row(row: dict) -> None:
     return
   meets = " ".join(f"{b}:{'y' if ok else 'n'}" for b, ok in row["meets"].items())
   predicted = (
-    f" (predicted {row['predicted_peak_bytes'] / 2**20:.2f})"
+    f" (predicted {row['predicted_peak_bytes'] / 2**20:.2f}, FLOPs"
+    f" x{row['predicted_flops_ratio']:.3f})"
     if "predicted_peak_bytes" in row
     else ""
   )

@@ -70,8 +70,14 @@ def test_optimize_meets_the_budget_as_xla_measures_it_and_matches_the_original(t
   assert cached.from_cache and cached.schedule.events == plan.schedule.events
   assert cached.measured_peak_bytes == plan.measured_peak_bytes
 
-  text = str(fast.report(*args, runs=1))
-  assert "budget" in text and "met" in text and "peak, XLA" in text
+  report = fast.report(*args, runs=1)
+  text = str(report)
+  assert "budget" in text and "met" in text and "peak, XLA" in text and "FLOPs, model" in text
+  # The model counts the FLOPs the compiled step runs (the recomputed layers twice).
+  model = plan.schedule.stats["optimize"]
+  predicted = model["predicted_flops"] / model["predicted_baseline_flops"]
+  assert predicted > 1.2
+  assert predicted == pytest.approx(report.optimized.flops / report.original.flops, rel=0.05)
 
 
 def test_optimized_step_trains_like_the_original(tmp_path):

@@ -15,7 +15,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -282,6 +282,10 @@ def make_plan(
         "predicted_baseline_peak_bytes": loop.predicted_peak_bytes(
           baseline_schedule(program.graph)
         ),
+        # The FLOPs the model counts (XLA's cost analysis of each equation), to set
+        # beside what XLA counts in the compiled step.
+        "predicted_flops": model_flops(program.graph, best.schedule.computes),
+        "predicted_baseline_flops": model_flops(program.graph, program.graph.order),
         "attempts": [dataclasses.asdict(t.attempt) for t in loop.tried],
       },
     }
@@ -308,6 +312,12 @@ def make_plan(
   if cache and best.attempt.origin != "cache":
     cache.store(keys.plan, schedule, info={"graph": program.graph.name, "versions": _versions()})
   return plan
+
+
+def model_flops(graph: RematGraph, computes: Sequence[int]) -> float:
+  """The FLOPs of running ``computes``, by the graph's count for each node (0 where it
+  has none)."""
+  return float(sum(graph.nodes[v].attrs.get("flops", 0.0) for v in computes))
 
 
 def lower_bound_bytes(baseline: Measurement) -> int:

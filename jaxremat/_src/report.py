@@ -64,6 +64,12 @@ class Report:
         ratio(s["duration"], s["baseline_duration"]),
       ),
       (
+        "FLOPs, model",
+        f"{model.get('predicted_baseline_flops', 0):.3g}",
+        f"{model.get('predicted_flops', 0):.3g}",
+        ratio(model.get("predicted_flops"), model.get("predicted_baseline_flops")),
+      ),
+      (
         "FLOPs, XLA",
         f"{orig.flops or 0:.3g}",
         f"{opt.flops or 0:.3g}",

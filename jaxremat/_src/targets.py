@@ -594,8 +594,12 @@ def facts_report(names: Sequence[str] | None = None) -> tuple[str, bool]:
     The table, and whether every measured fact is what `BackendFacts` expects. A target
     whose compiler is not installed is listed with the extra it needs.
   """
+  cuda = [
+    p for p in ("jax-cuda12-plugin", "jax-cuda13-plugin") if installed_version(p)[0].isdigit()
+  ]
   versions = ", ".join(
-    f"{package} {installed_version(package)}" for package in ("jax", "libtpu", "jax-cuda12-plugin")
+    f"{package} {installed_version(package)}"
+    for package in ("jax", "libtpu", *(cuda or ["jax-cuda12-plugin"]))
   )
   lines = [
     f"jaxremat targets ({versions})",
