@@ -1,4 +1,4 @@
-"""One method of benchmarks/e2e.py run once, alone in this process, on this machine's device:
+"""One method of benchmarks/e2e.py compiled here and run once on this machine's device:
 prints the device allocator's peak beside the compiler's figure, as JSON.
 
 The step is compiled here and run by a second process that only loads it
@@ -45,7 +45,7 @@ def device_peak(
     step, host_args = e2e.example_step(name, variant, small, batch_scale)
   device = jax.devices()[0]
   args = jax.device_put(host_args, device)
-  out = {"from_cache": None}
+  jitted, out = jax.jit(step), {"from_cache": None}
   if method == PLAN:
     if budget is None or cache_dir is None:
       raise ValueError(f"method={PLAN!r} needs --budget and the --cache-dir e2e planned into.")
@@ -53,8 +53,8 @@ def device_peak(
     plan = plan.plan(*args)
     out["from_cache"] = plan.from_cache
     # The optimized step's own jitted program, on its flat arguments.
-    step, args = plan.compiled.jitted, plan.compiled.signature.dynamic_leaves(args, {})
-  compiled = jax.jit(step).lower(*args).compile()
+    jitted, args = plan.compiled.jitted, plan.compiled.signature.dynamic_leaves(args, {})
+  compiled = jitted.lower(*args).compile()
   figures = isolated_device_peak(compiled, *args)
   return out | figures | {"xla_peak_bytes": compat.memory_peak_bytes(compiled)}
 
