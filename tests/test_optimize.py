@@ -127,7 +127,10 @@ def test_max_replans_bounds_the_plans_compiled(tmp_path):
   )
   with pytest.raises(jaxremat.BudgetNotMetError) as info:
     fast(*args)
-  assert len(info.value.plan.attempts) == 1
+  # One solved plan, and the same plan once more with its whole order pinned.
+  attempts = info.value.plan.attempts
+  assert [(a.origin, a.pin) for a in attempts] == [("solve", "recomputations"), ("pinned", "all")]
+  assert attempts[0].predicted_peak_bytes == attempts[1].predicted_peak_bytes
 
 
 def test_time_limit_bounds_the_whole_first_call(tmp_path):
