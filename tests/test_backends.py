@@ -137,12 +137,6 @@ def test_reductions_duplicate_producers_exactly_where_the_facts_say():
   assert hlo.lower(x).compile().as_text().count(" compare(") >= 2
 
 
-def _tanh_mlp_loss(params, x):
-  for w in params:
-    x = jnp.tanh(x @ w)
-  return jnp.mean(x * x)
-
-
 def test_a_step_runs_alone_in_a_fresh_process_with_its_arguments():
   x = jnp.ones((64, 64))
   compiled = jax.jit(lambda x: jnp.sin(x) @ x).lower(x).compile()
@@ -160,7 +154,7 @@ def test_device_peak_of_an_isolated_run_follows_the_plan():
   rng = np.random.default_rng(0)
   params = [rng.standard_normal((256, 256), np.float32) / 16 for _ in range(16)]
   x = rng.standard_normal((4096, 256), np.float32)
-  step = jax.value_and_grad(_tanh_mlp_loss)
+  step = jax.value_and_grad(mlp_loss)
   program = trace_program(step, params, x, costs="shape")
   runs = []
   for schedule in (jaxremat.baseline_schedule(program.graph), segment_schedule(program.graph, 4)):
@@ -197,5 +191,5 @@ def test_float32_dots_are_verified_at_the_precision_the_backend_computes_them():
   assert backend_facts("tpu").float32_dot_eps() == 2.0**-7  # one bfloat16 pass
   with jax.default_matmul_precision("highest"):
     assert backend_facts("gpu").float32_dot_eps() == np.finfo(np.float32).eps
-  envelope = noise_envelope(_tanh_mlp_loss, [jnp.ones((8, 8))], jnp.ones((4, 8)))
+  envelope = noise_envelope(mlp_loss, [jnp.ones((8, 8))], jnp.ones((4, 8)))
   assert envelope.perturbation == perturbation_size([jnp.float32], FACTS.float32_dot_eps())

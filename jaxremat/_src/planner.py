@@ -93,9 +93,8 @@ class Attempt:
   planning_budget_bytes: int
   predicted_peak_bytes: int
   measured_peak_bytes: int
-  origin: str = (
-    "solve"  # "solve", "pinned" (a solve retried), "cache", "baseline", "measured plans"
-  )
+  # "solve", "pinned" (a solve retried in its whole order), "cache", "baseline", "measured plans"
+  origin: str = "solve"
   pin: str = "recomputations"  # what of the plan's order the emitted step fences (`emit`)
 
 
@@ -254,7 +253,7 @@ def make_plan(
   if not loop.met and cache:
     # A plan XLA measured within this budget before (a retry at a reported peak).
     for schedule, peak in cache.measured_plans(keys.program, program.graph):
-      if peak <= budget_bytes and loop.try_schedule(schedule, "measured plans"):
+      if peak <= budget_bytes and loop.try_schedule(schedule, "measured plans").met:
         break
   if cache and loop.tried:
     measured = [(t.schedule, t.compiled.peak_bytes) for t in loop.tried]
@@ -408,7 +407,6 @@ class _Loop:
     self.opts = opts
     self.deadline = deadline
     self.tried: list[_Tried] = []
-    self.last: _Tried | None = None  # the latest plan tried (`try_schedule`)
     self.least_peak_tried = False
     self.baseline_hlo = baseline.hlo_text
     # Seconds kept back for compiling and verifying a plan, from the original's compile.
@@ -438,16 +436,15 @@ class _Loop:
   def solves_left(self) -> int:
     return 1 + self.opts.max_replans - sum(t.attempt.origin == "solve" for t in self.tried)
 
-  def try_schedule(self, schedule: Schedule, origin: str) -> bool:
-    """Compiles a schedule and records it; whether XLA measures it within the budget.
+  def try_schedule(self, schedule: Schedule, origin: str) -> _Tried:
+    """Compiles a schedule and records it; the compile of it that XLA measured lowest.
 
     A solved schedule is first put in an order that holds less, where one is found. Where
     XLA measures it over the budget with its recomputations fenced, and holds more beyond
     the model than on the original step (or undid it), XLA may have run an order of its
     own that holds what the plan frees: it is compiled once more with every event fenced
     in its order (a retry that does not count as a solve). On VGG16 for H100 at 0.7, a
-    plan measured 31.97 MiB so (budget 31.64), and 29.89 MiB pinned. `last` is the one of
-    the two that XLA measured lower.
+    plan measured 31.97 MiB so (budget 31.64), and 29.89 MiB pinned.
     """
     if origin == "solve":
       computes = resequence(self.solver_graph, schedule.computes)
@@ -455,18 +452,17 @@ class _Loop:
         schedule = schedule.replace(
           events=schedule_from_computes(self.solver_graph, computes).events
         )
-    tried = self.last = self._measure(schedule, origin)
+    tried = self._measure(schedule, origin)
     if tried.met or tried.attempt.pin == "all" or origin != "solve" or not tried.kept:
-      return tried.met
+      return tried
     attempt = tried.attempt
     beyond_model = attempt.measured_peak_bytes - attempt.predicted_peak_bytes
     if self.deadline.left_s() <= 0 or (
       beyond_model <= self.baseline_gap_bytes and not self.undone(attempt)
     ):
-      return False
+      return tried
     pinned = self._measure(schedule.replace(stats={**schedule.stats, "pin": "all"}), "pinned")
-    self.last = min(tried, pinned, key=lambda t: t.compiled.peak_bytes)
-    return pinned.met
+    return min(tried, pinned, key=lambda t: t.compiled.peak_bytes)
 
   def _measure(self, schedule: Schedule, origin: str) -> _Tried:
     """Emits, compiles and records ``schedule`` (`_pin` says what of its order is fenced)."""
@@ -576,8 +572,7 @@ class _Loop:
         return
       name = min(plans, key=lambda name: plans[name].stats["duration"])
       schedule = plans.pop(name)
-      self.try_schedule(schedule, "solve")
-      last = self.last.attempt
+      last = self.try_schedule(schedule, "solve").attempt
       below = next_planning_budget(
         loose_bytes, last.predicted_peak_bytes, last.measured_peak_bytes, self.budget_bytes
       )
@@ -612,8 +607,7 @@ class _Loop:
       except (InfeasibleBudgetError, NoScheduleFoundError) as e:
         logger.info("jaxremat: %s", e)
         return
-      self.try_schedule(schedule, "solve")
-      last = self.last.attempt
+      last = self.try_schedule(schedule, "solve").attempt
       if self.undone(last):
         # A tighter plan of the same kind would fare no better; plans of whole segments
         # keep their shape.

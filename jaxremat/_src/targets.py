@@ -165,6 +165,8 @@ _GPU_CONFIGS: Final = {
 }
 # The CUDA plugin describes one GPU at a time.
 _GPU_TOPOLOGY: Final = "1x1x1"
+# The CUDA plugin's modules (their distributions are named with dashes).
+_CUDA_PLUGINS: Final = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,10 +339,7 @@ def _registry_platform_kind(name: str) -> tuple[str, str]:
 
 
 def _cuda_plugin_installed() -> bool:
-  return any(
-    importlib.util.find_spec(module) is not None
-    for module in ("jax_cuda12_plugin", "jax_cuda13_plugin")
-  )
+  return any(importlib.util.find_spec(module) is not None for module in _CUDA_PLUGINS)
 
 
 def _jax_platforms() -> str:
@@ -594,9 +593,7 @@ def facts_report(names: Sequence[str] | None = None) -> tuple[str, bool]:
     The table, and whether every measured fact is what `BackendFacts` expects. A target
     whose compiler is not installed is listed with the extra it needs.
   """
-  cuda = [
-    p for p in ("jax-cuda12-plugin", "jax-cuda13-plugin") if installed_version(p)[0].isdigit()
-  ]
+  cuda = [m.replace("_", "-") for m in _CUDA_PLUGINS if importlib.util.find_spec(m)]
   versions = ", ".join(
     f"{package} {installed_version(package)}"
     for package in ("jax", "libtpu", *(cuda or ["jax-cuda12-plugin"]))
