@@ -51,6 +51,19 @@ def test_xla_costs_and_cache_round_trip(cache_dir):
   assert json.loads(cost_file.read_text())["entries"] == data["entries"]
 
 
+def test_recomputed_elementwise_work_costs_its_arithmetic(cache_dir):
+  # Recomputed inside the kernel that reads it, the chain moves no bytes of its own;
+  # costed equation by equation, each would write its value out and read it back.
+  x = jnp.ones((256, 256))
+  g = jaxremat.trace(lambda x, w: (jnp.tanh(x) * 2.0 + 1.0) @ w, x, x, cache_dir=cache_dir)
+  roof = g.meta["roofline"]
+  chain = next(n for n in g.nodes if n.attrs.get("fused") == ["tanh", "mul", "add"])
+  assert chain.attrs["bytes_accessed"] >= 3 * 2 * x.nbytes
+  assert chain.cost == pytest.approx(chain.attrs["flops"] / roof["flops_per_s"], rel=1e-12)
+  dot = next(n for n in g.nodes if n.attrs["primitive"] == "dot_general")
+  assert dot.cost > 10 * chain.cost
+
+
 def test_corrupt_cache_is_rebuilt(cache_dir):
   jaxremat.trace(_step, *ARGS, cache_dir=cache_dir)
   cost_file = next(cache_dir.glob("costs-*.json"))

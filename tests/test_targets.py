@@ -621,6 +621,29 @@ def test_cudnn_convolutions_count_as_convolutions_in_the_gpu_hlo():
   assert "__cudnn$conv" in hlo and count_hlo_ops(hlo)["convolution"] == 2  # forward, filter
 
 
+@pytest.mark.parametrize("name", ["cpu", "tpu-v5e", "h100"])
+def test_convolution_flops_are_counted_on_every_target(name, tmp_path):
+  """XLA:GPU's cost analysis counts no FLOPs for a cuDNN convolution, alone or in a step;
+  the graph counts them from its shapes and `measure` from the optimized HLO."""
+  target = needs(name)
+  x, w = jnp.ones((8, 32, 32, 64)), jnp.ones((3, 3, 64, 64))
+
+  def conv_loss(x, w):
+    numbers = ("NHWC", "HWIO", "NHWC")
+    y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=numbers)
+    return jnp.sum(jnp.tanh(y))
+
+  one_conv = 2 * 8 * 32 * 32 * 64 * (3 * 3 * 64)  # padding included; CPU and TPU skip it
+  graph = jaxremat.trace(conv_loss, x, w, target=name, cache_dir=tmp_path)
+  (conv,) = [  # TPU fuses the tanh into it
+    n for n in graph.nodes if "conv_general_dilated" in n.attrs.get("fused", [n.attrs["primitive"]])
+  ]
+  assert conv.attrs["flops"] == pytest.approx(one_conv, rel=0.05)
+  measured = jaxremat.measure(jax.grad(conv_loss, argnums=(0, 1)), x, w, target=name, runs=0)
+  assert measured.flops == pytest.approx(3 * one_conv, rel=0.05)  # forward, input, filter
+  assert target.counts_library_convolutions() == (name != "h100")
+
+
 def test_the_compiler_keeps_what_a_tpu_plan_saves_and_two_plans_meet_the_budget(tmp_path):
   """The GPT example on TPU v5e at 0.9: XLA realizes at least half of the saving the model
   predicted for every plan (none is undone), and `auto`'s second plan, planned below the
@@ -659,6 +682,31 @@ def test_a_plan_that_only_reorders_is_pinned_in_its_order(tmp_path):
   assert len(set(computes)) == len(computes)
   baseline = jaxremat.measure(step, *args, runs=0, target="h100")
   assert plan.measurement.flops <= 1.001 * baseline.flops
+
+
+def test_products_without_a_buffer_run_once_when_every_event_is_pinned():
+  """XLA:TPU fuses some weight-gradient products of the MLP example into both of their
+  readers, so the graph gives them no buffer. Evaluated inside each reader's pinned run,
+  each ran once per reader: 19 products where the step has 14."""
+  import examples
+  from examples import _common
+
+  needs("tpu-v5e")
+  module = examples.load("mlp")
+  step, args = _common.make_train_step(module.loss, *_common.example_args(module, **module.SMALL))
+  program = jaxremat.trace_program(step, *args, target="tpu-v5e")
+  shared = [
+    n
+    for n in program.graph.nodes
+    if n.attrs.get("duplicated") and "dot_general" in n.attrs.get("fused", [n.attrs["primitive"]])
+  ]
+  assert shared  # else this step no longer tests it
+  schedule = jaxremat.baseline_schedule(program.graph)
+  emitted = jaxremat.emit(program, schedule, pin="all", backend="tpu")
+  measured = jaxremat.measure(emitted, *args, target="tpu-v5e", runs=0)
+  products = count_hlo_ops(measured.hlo_text)["convolution"]  # XLA:TPU's dots
+  assert products == count_hlo_ops(program.baseline.hlo_text)["convolution"]
+  assert measured.flops <= 1.001 * program.baseline.flops
 
 
 def test_segment_plans_meet_the_unet_step_on_h100(tmp_path):

@@ -25,6 +25,7 @@ _BITS = re.compile(r"^[a-z]+?(\d+)")
 _TILES = re.compile(r"T((?:\([\d,]+\))+)")
 _HEADER = re.compile(r"^(ENTRY )?%([\w.-]+) ")
 _CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 # Library calls that stand for an HLO opcode: XLA:GPU runs convolutions through cuDNN and
 # may run dots through cuBLAS (measured on deviceless H100 compiles).
 _CUSTOM_CALL_OPCODES: Final = (("__cudnn$conv", "convolution"), ("__cublas", "dot"))
@@ -88,6 +89,57 @@ def _opcode(opcode: str, line: str) -> str:
       (op for prefix, op in _CUSTOM_CALL_OPCODES if called.group(1).startswith(prefix)), opcode
     )
   return opcode
+
+
+def library_convolution_flops(hlo_text: str) -> float:
+  """FLOPs of the convolutions ``hlo_text`` runs as cuDNN calls: 2 x the forward output's
+  elements x each output's filter elements (its window times its input features).
+
+  A cuDNN call describes the forward convolution whatever it computes; which of its
+  operands and result is the forward output and which the filter follows its kind
+  (XLA:GPU's ``CudnnConvKind``).
+
+  Example:
+    >>> text = ("ENTRY %e (x: f32[1,4,4,2], w: f32[3,3,2,8]) -> f32[1,4,4,8] {\\n"
+    ...   '  %x = f32[1,4,4,2]{3,2,1,0} parameter(0)\\n  %w = f32[3,3,2,8]{3,2,1,0} parameter(1)\\n'
+    ...   "  %c = (f32[1,4,4,8]{3,2,1,0}, u8[0]{0}) custom-call(%x, %w), "
+    ...   'dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convForward"\\n}')
+    >>> library_convolution_flops(text)  # 2 x 128 outputs x (3 x 3 x 2)
+    4608.0
+  """
+  total = 0.0
+  for computation in computations(hlo_text).values():
+    shapes = {i.name: i.shape for i in computation.instructions}
+    for i in computation.instructions:
+      called = _CUSTOM_CALL_TARGET.search(i.line)
+      labels = _DIM_LABELS.search(i.line)
+      if not (called and labels and called.group(1).startswith("__cudnn$conv")):
+        continue
+      operands = [_dims(shapes.get(name, "")) for name in i.operands]
+      result = _dims(i.shape)
+      kind = called.group(1)
+      if "BackwardInput" in kind:
+        output, kernel = operands[0], operands[1]
+      elif "BackwardFilter" in kind:
+        output, kernel = operands[1], result
+      else:
+        output, kernel = result, operands[1]
+      out_features = kernel[labels.group(2).index("o")]
+      total += 2.0 * _product(output) * _product(kernel) / out_features
+  return total
+
+
+def _dims(shape: str) -> list[int]:
+  """The dimensions of ``shape``'s first array."""
+  found = _ARRAY.search(shape)
+  return [int(d.lstrip("<=")) for d in found.group(2).split(",") if d.strip()] if found else []
+
+
+def _product(dims: list[int]) -> int:
+  out = 1
+  for d in dims:
+    out *= d
+  return out
 
 
 @dataclasses.dataclass(frozen=True)

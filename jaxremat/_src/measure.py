@@ -19,6 +19,7 @@ import jax
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
 from jaxremat._src import compat
+from jaxremat._src.hlo_text import library_convolution_flops
 from jaxremat._src.targets import Target, compile_for, get_target
 
 
@@ -35,7 +36,10 @@ class Measurement:
     peak_bytes: XLA's peak: argument + output + temp - alias on CPU and GPU,
       ``peak_memory_in_bytes`` on TPU (`compat.memory_peak_bytes`).
     flops, transcendentals, bytes_accessed: XLA's cost analysis of the optimized program
-      (None where the backend reports nothing).
+      (None where the backend reports nothing). Where the target's cost analysis leaves
+      out the convolutions it runs as library calls (XLA:GPU's cuDNN calls,
+      `Target.counts_library_convolutions`), ``flops`` adds theirs, counted from the
+      optimized HLO (`hlo_text.library_convolution_flops`).
     compile_time_s: seconds to lower and compile.
     wall_time_s: median seconds per call over ``wall_times_s`` (None with ``runs=0``).
     wall_times_s: each timed call, after the warm-up calls.
@@ -154,6 +158,11 @@ def measure(
   def cost(key: str) -> float | None:
     return float(costs[key]) if key in costs else None
 
+  hlo_text = compiled.as_text()
+  flops = cost("flops")
+  if flops is not None and not target.counts_library_convolutions():
+    flops += library_convolution_flops(hlo_text)
+
   return Measurement(
     backend=target.platform,
     target=target.name,
@@ -164,14 +173,14 @@ def measure(
     alias_bytes=int(memory.alias_size_in_bytes),
     generated_code_bytes=int(memory.generated_code_size_in_bytes),
     peak_bytes=compat.memory_peak_bytes(compiled, target.platform),
-    flops=cost("flops"),
+    flops=flops,
     transcendentals=cost("transcendentals"),
     bytes_accessed=cost("bytes accessed"),
     compile_time_s=compile_time_s,
     wall_time_s=statistics.median(times) if times else None,
     wall_times_s=tuple(times),
     device_peak_bytes=None if device_peak is None else int(device_peak),
-    hlo_text=compiled.as_text(),
+    hlo_text=hlo_text,
   )
 
 

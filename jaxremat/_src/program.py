@@ -18,6 +18,7 @@ import jax
 from jaxremat._src import compat, costs, hlo_model
 from jaxremat._src.backends import backend_facts
 from jaxremat._src.fusion import (
+  FUSIBLE_PRIMITIVES,
   HIGHER_ORDER_PRIMITIVES,
   group_equations,
   internal_bytes,
@@ -186,6 +187,7 @@ def build_program(
   eqn_costs = costs.equation_costs(
     jaxpr.eqns, mode=costs_mode, cache_dir=cache_dir, time_limit_s=cost_time_limit, target=target
   )
+  roof = None if costs_mode == "shape" else costs.roofline(cache_dir, target)
   arg_names = list(arg_names or [f"arg{i}" for i in range(len(jaxpr.invars))])
   nodes = []
   for i, v in enumerate(jaxpr.invars):
@@ -205,6 +207,7 @@ def build_program(
         g in epilogues,
         materialized,
         None if compiled is None else compiled.scratch,
+        roof,
       )
     )
   iotas, indices, hoisted = (
@@ -374,6 +377,7 @@ def _eqn_node(
   epilogue: bool,
   materialized: dict[Any, int],
   scratch: dict[int, int] | None = None,
+  roof: costs.Roofline | None = None,
 ) -> Node:
   root = eqns[-1]
   prim = root.primitive.name
@@ -415,7 +419,20 @@ def _eqn_node(
   short = (
     os.path.basename(source.split(":")[0]) + ":" + source.split(":")[1] if ":" in source else source
   )
-  return Node(i, f"{prim} @ {short}", out_bytes, float(sum(c.seconds for c in eqn_costs)), attrs)
+  # A node's cost prices its recomputation. Recomputed elementwise work runs inside the
+  # kernel that reads it, which then reads its operands in place of the value: it adds its
+  # arithmetic and the bytes it reads beyond the value. Other work writes its value out.
+  inside = {v for e in eqns for v in e.outvars}
+  read = {
+    v for e in eqns for v in e.invars if not isinstance(v, compat.Literal) and v not in inside
+  }
+  read_bytes = sum(materialized.get(v, compat.aval_bytes(v.aval)) for v in read)
+  if all(e.primitive.name in FUSIBLE_PRIMITIVES for e in eqns):
+    moved = max(read_bytes - kept, 0)
+  else:
+    moved = read_bytes + kept
+  seconds = costs.kernel_seconds(eqn_costs, moved, roof)
+  return Node(i, f"{prim} @ {short}", out_bytes, seconds, attrs)
 
 
 def _merge_sources(sources) -> str:

@@ -40,7 +40,7 @@ import numpy as np
 from jaxremat._src import compat
 from jaxremat._src.backends import BackendFacts, backend_facts
 from jaxremat._src.errors import TargetUnavailableError
-from jaxremat._src.hlo_text import computations, count_hlo_ops
+from jaxremat._src.hlo_text import computations, count_hlo_ops, library_convolution_flops
 
 PLATFORMS: Final = ("cpu", "tpu", "gpu")
 TPU_AOT_EXTRA: Final = "tpu-aot"
@@ -212,6 +212,11 @@ class Target:
     ``peak_memory_in_bytes`` charges device memory only with the rest (`device_peak_bytes`
     says how). 0 off TPU. Measured once per target (`_on_chip_bytes`)."""
     return _on_chip_bytes(self) if self.platform == "tpu" else 0
+
+  def counts_library_convolutions(self) -> bool:
+    """Whether the compiler's cost analysis counts the FLOPs of convolutions that it runs
+    as library calls (cuDNN). Measured once per target (`_counts_library_convolutions`)."""
+    return _counts_library_convolutions(self)
 
   def peak_rates(self) -> tuple[float, float]:
     """(flop/s, byte/s): the device's published peak rates (`PEAK_RATES`).
@@ -457,6 +462,24 @@ def _on_chip_bytes(target: Target) -> int:
   memory = compiled.memory_analysis()
   held_bytes = memory.argument_size_in_bytes + _PROBE_BUFFERS * _PROBE_BUFFER_BYTES
   return max(0, held_bytes - memory.peak_memory_in_bytes)
+
+
+@functools.cache
+def _counts_library_convolutions(target: Target) -> bool:
+  """Whether one convolution's FLOPs appear in its compile's cost analysis, where the
+  compiler runs it as a library call. Measured 2026-11-26 (jax 0.10.2): XLA:GPU's count
+  for H100 leaves cuDNN convolutions out; CPU and TPU compile them as HLO and count them.
+  """
+  shape = jax.ShapeDtypeStruct((8, 16, 16, 32), jnp.float32)
+  kernel = jax.ShapeDtypeStruct((3, 3, 32, 32), jnp.float32)
+
+  def conv(x, w):
+    numbers = ("NHWC", "HWIO", "NHWC")
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=numbers)
+
+  compiled = compile_for(target, conv, shape, kernel)
+  library = library_convolution_flops(compiled.as_text())
+  return not library or compat.hlo_cost_analysis(compiled).get("flops", 0.0) >= library / 2
 
 
 def compile_for(
