@@ -625,7 +625,7 @@ def facts_report(names: Sequence[str] | None = None) -> tuple[str, bool]:
     f"jaxremat targets ({versions})",
     f"{'target':9} {'device':24} {'compiles':11} {'fence':8} {'barrier holds':22} "
     f"{'reductions duplicate producers':32} {'pool gradient buffers at start':32} "
-    f"{'on chip':8} peak flop/s, byte/s",
+    f"{'on chip':8} {'conv FLOPs counted':19} peak flop/s, byte/s",
   ]
   all_match = True
   for name in names or available_targets():
@@ -649,7 +649,8 @@ def facts_report(names: Sequence[str] | None = None) -> tuple[str, bool]:
     lines.append(
       f"{name:9} {target.device_kind[:24]:24} {'here' if target.local else 'deviceless':11} "
       f"{target.facts.fence:8} {cells[0]:22} {cells[1]:32} {cells[2]:32} "
-      f"{f'{target.on_chip_bytes() / 2**20:.0f} MiB':8} {rates}"
+      f"{f'{target.on_chip_bytes() / 2**20:.0f} MiB':8} "
+      f"{_yes(target.counts_library_convolutions()):19} {rates}"
     )
   return "\n".join(lines), all_match
 
