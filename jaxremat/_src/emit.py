@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -298,7 +298,14 @@ def plan_runs(
   return tuple(runs)
 
 
-_PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
+# Equations whose recomputation costs real time, and the HLO instruction each becomes.
+# Elementwise work is left out: XLA fuses and duplicates it on its own (fact 2).
+EXPENSIVE_PRIMITIVES: Mapping[str, str] = {
+  "dot_general": "dot",
+  "conv_general_dilated": "convolution",
+  "fft": "fft",
+  "sort": "sort",
+}
 
 
 def inlined_reads(program: Any) -> tuple[tuple[int, ...] | None, ...]:
@@ -311,8 +318,8 @@ def inlined_reads(program: Any) -> tuple[tuple[int, ...] | None, ...]:
   reader, from the copies of its operands live there, as XLA does. Read from its own
   first computation, it kept that first copy of a recomputed operand live as well: on the
   ResNet step for TPU v5e, three 8 MiB convolution outputs that a plan recomputed stayed
-  live through the backward pass. A value with a product in it stays a computation of its
-  own, as does a dot XLA:CPU fuses with all its readers (``epilogue``): evaluated in each
+  live through the backward pass. A value with expensive work in it (a product, say) stays
+  a computation of its own, as does a dot XLA:CPU fuses with all its readers (``epilogue``): evaluated in each
   reader's fenced run, it would be computed once per reader. (On TPU v5e, the GPT step's
   plan at 0.7 pinned in its order ran 16 products more than planned: x1.44 of the step's
   FLOPs where the model counted x1.18.)
@@ -324,7 +331,7 @@ def inlined_reads(program: Any) -> tuple[tuple[int, ...] | None, ...]:
     for v, node in enumerate(graph.nodes)
     if node.attrs.get("duplicated")
     and not outputs & set(program.node_outvars[v])
-    and not _PRODUCTS & {eqns[i].primitive.name for i in program.node_eqns[v]}
+    and not EXPENSIVE_PRIMITIVES.keys() & {eqns[i].primitive.name for i in program.node_eqns[v]}
   }
   made_by = {x: v for v in inline for x in program.node_outvars[v]}
   out: list[tuple[int, ...] | None] = []

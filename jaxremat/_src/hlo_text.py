@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 from typing import Final
 
@@ -108,6 +109,8 @@ def library_convolution_flops(hlo_text: str) -> float:
     4608.0
   """
   total = 0.0
+  if "__cudnn$conv" not in hlo_text:  # most programs: nothing to parse
+    return total
   for computation in computations(hlo_text).values():
     shapes = {i.name: i.shape for i in computation.instructions}
     for i in computation.instructions:
@@ -125,21 +128,19 @@ def library_convolution_flops(hlo_text: str) -> float:
       else:
         output, kernel = result, operands[1]
       out_features = kernel[labels.group(2).index("o")]
-      total += 2.0 * _product(output) * _product(kernel) / out_features
+      total += 2.0 * math.prod(output) * math.prod(kernel) / out_features
   return total
 
 
 def _dims(shape: str) -> list[int]:
   """The dimensions of ``shape``'s first array."""
   found = _ARRAY.search(shape)
-  return [int(d.lstrip("<=")) for d in found.group(2).split(",") if d.strip()] if found else []
+  return _parse_dims(found.group(2)) if found else []
 
 
-def _product(dims: list[int]) -> int:
-  out = 1
-  for d in dims:
-    out *= d
-  return out
+def _parse_dims(dims_text: str) -> list[int]:
+  """``"8,<=128"`` as ``[8, 128]`` (a bounded dynamic dimension at its bound)."""
+  return [int(d.lstrip("<=")) for d in dims_text.split(",") if d.strip()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +167,7 @@ def buffers(shape: str) -> list[Buffer]:
 
 
 def _buffer(dtype: str, dims_text: str, layout: str | None) -> Buffer:
-  dims = [int(d.lstrip("<=")) for d in dims_text.split(",") if d.strip()]
+  dims = _parse_dims(dims_text)
   bits = _element_bits(dtype)
   if layout:
     order, _, attributes = layout.partition(":")
@@ -180,10 +181,7 @@ def _buffer(dtype: str, dims_text: str, layout: str | None) -> Buffer:
         dims[j] = -(-dims[j] // t) * t
     if element := re.search(r"E\((\d+)\)", attributes):
       bits = int(element.group(1))
-  elements = 1
-  for d in dims:
-    elements *= d
-  return Buffer(dtype, -(-elements * bits // 8))
+  return Buffer(dtype, -(-math.prod(dims) * bits // 8))
 
 
 def _element_bits(dtype: str) -> int:

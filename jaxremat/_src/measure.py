@@ -160,8 +160,9 @@ def measure(
 
   hlo_text = compiled.as_text()
   flops = cost("flops")
-  if flops is not None and not target.counts_library_convolutions():
-    flops += library_convolution_flops(hlo_text)
+  library_flops = library_convolution_flops(hlo_text)
+  if flops is not None and library_flops and not target.counts_library_convolutions():
+    flops += library_flops
 
   return Measurement(
     backend=target.platform,

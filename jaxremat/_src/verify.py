@@ -22,7 +22,7 @@ from jax import lax
 
 from jaxremat._src import compat
 from jaxremat._src.backends import backend_facts
-from jaxremat._src.emit import live_computes
+from jaxremat._src.emit import EXPENSIVE_PRIMITIVES, live_computes
 from jaxremat._src.hlo_text import count_hlo_ops
 from jaxremat._src.measure import Measurement, measure
 from jaxremat._src.schedule import Schedule
@@ -30,14 +30,6 @@ from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.targets import Target, get_target
 from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
-# Equations whose recomputation costs real time, and the HLO instruction each becomes.
-# Elementwise work is left out: XLA fuses and duplicates it on its own (fact 2).
-EXPENSIVE_PRIMITIVES: Mapping[str, str] = {
-  "dot_general": "dot",
-  "conv_general_dilated": "convolution",
-  "fft": "fft",
-  "sort": "sort",
-}
 # XLA rewrites some convolutions as dots (1x1 kernels on XLA:CPU), so a planned
 # convolution may survive as a dot: opcodes in one group are counted together.
 _OPCODE_GROUPS = (("dot", "convolution"), ("fft",), ("sort",))
