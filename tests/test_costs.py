@@ -64,6 +64,23 @@ def test_recomputed_elementwise_work_costs_its_arithmetic(cache_dir):
   assert dot.cost > 10 * chain.cost
 
 
+def test_a_value_computed_inside_its_readers_is_not_read_from_memory(cache_dir):
+  # y is computed inside each reader's fusion, so y * x reads x once: recomputed, it
+  # adds only its arithmetic. Counting y as a read would charge a trip through memory.
+  x = jnp.ones((256, 256))
+
+  def f(x, w):
+    y = x * 3.0
+    return (y * x) @ w + (y - 1.0) @ w
+
+  g = jaxremat.trace(f, x, x, cache_dir=cache_dir)
+  flops_per_s = g.meta["roofline"]["flops_per_s"]
+  duplicated = next(n for n in g.nodes if n.attrs.get("duplicated"))
+  reader = next(n for n in g.nodes if n.attrs["primitive"] == "mul" and n is not duplicated)
+  for node in (duplicated, reader):
+    assert node.cost == pytest.approx(node.attrs["flops"] / flops_per_s, rel=1e-12)
+
+
 def test_corrupt_cache_is_rebuilt(cache_dir):
   jaxremat.trace(_step, *ARGS, cache_dir=cache_dir)
   cost_file = next(cache_dir.glob("costs-*.json"))

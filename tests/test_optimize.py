@@ -11,10 +11,18 @@ import numpy as np
 import pytest
 from backend import assert_trees_allclose
 
+import examples
 import jaxremat
+from examples import _common
 from jaxremat._src.demo import make_mlp_step
 from jaxremat._src.plan_cache import PlanCache, fingerprint
-from jaxremat._src.planner import _REPLAN_MARGIN, PlanOptions, _cache_keys, next_planning_budget
+from jaxremat._src.planner import (
+  _REPLAN_MARGIN,
+  PlanOptions,
+  _cache_keys,
+  next_planning_budget,
+  undominated,
+)
 
 
 def _small_step():
@@ -237,3 +245,39 @@ def test_the_first_plan_is_made_below_the_budget_by_what_xla_holds_beyond_the_mo
   first = plan.attempts[0]
   assert first.origin == "solve" and first.planning_budget_bytes == plan.budget_bytes - gap
   assert plan.measured_peak_bytes <= plan.budget_bytes
+
+
+def test_a_plan_another_plan_beats_in_the_compilers_figures_is_dropped():
+  # (peak bytes, FLOPs): the first is beaten on peak, the last on FLOPs, by the second.
+  figures = [(10, 1.0), (8, 1.0), (9, 0.9), (8, 1.2), (7, None)]
+  assert undominated(figures) == [1, 2, 4]
+  assert undominated([(5, 1.0), (5, 1.0)]) == [0, 1]  # equal figures beat neither
+
+
+def test_the_dots_saveable_plan_is_compiled_beside_a_plan_that_met_the_budget(tmp_path):
+  """Once a plan meets the budget, `optimize` compiles the plan of the policy users try
+  first, where the model puts it within the budget, and hands out a plan no other met
+  plan beats in XLA's peak and FLOPs. The portfolio leaves the policy out here, so that
+  its plan is not the first one."""
+  vgg16 = examples.load("vgg16")
+  step, args = _common.make_train_step(vgg16.loss, *_common.example_args(vgg16, **vgg16.SMALL))
+  f = jaxremat.optimize(
+    step,
+    budget=0.9,
+    time_limit=60,
+    cache_dir=tmp_path,
+    progress=False,
+    solver_options={"heuristics": ("cover",), "exact": None},
+  )
+  plan = f.plan(*args)
+  assert [a.origin for a in plan.attempts].count("policy") == 1
+  policy = next(a for a in plan.attempts if a.origin == "policy")
+  assert policy.solver == "dots-saveable" and policy.flops is not None
+  met = [a for a in plan.attempts if a.measured_peak_bytes <= plan.budget_bytes]
+  assert plan.measured_peak_bytes <= plan.budget_bytes
+  assert not any(
+    a.measured_peak_bytes <= plan.measured_peak_bytes
+    and a.flops <= plan.measurement.flops
+    and (a.measured_peak_bytes, a.flops) != (plan.measured_peak_bytes, plan.measurement.flops)
+    for a in met
+  )

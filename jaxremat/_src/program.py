@@ -188,6 +188,20 @@ def build_program(
     jaxpr.eqns, mode=costs_mode, cache_dir=cache_dir, time_limit_s=cost_time_limit, target=target
   )
   roof = None if costs_mode == "shape" else costs.roofline(cache_dir, target)
+  # A value XLA computes inside its readers' fusions is not read from memory: its readers
+  # read what it reads, the values XLA keeps. In root order, for chains of such values.
+  kept_reads: dict[Any, frozenset[Any]] = {}
+  for g in sorted(duplicated | epilogues):
+    made = {v for k in groups[g] for v in jaxpr.eqns[k].outvars}
+    reads = frozenset().union(
+      *(
+        kept_reads.get(v, {v})
+        for k in groups[g]
+        for v in jaxpr.eqns[k].invars
+        if not isinstance(v, compat.Literal) and v not in made
+      )
+    )
+    kept_reads.update(dict.fromkeys(made, reads))
   arg_names = list(arg_names or [f"arg{i}" for i in range(len(jaxpr.invars))])
   nodes = []
   for i, v in enumerate(jaxpr.invars):
@@ -206,6 +220,7 @@ def build_program(
         g in duplicated,
         g in epilogues,
         materialized,
+        kept_reads,
         None if compiled is None else compiled.scratch,
         roof,
       )
@@ -376,6 +391,7 @@ def _eqn_node(
   duplicated: bool,
   epilogue: bool,
   materialized: dict[Any, int],
+  kept_reads: dict[Any, frozenset[Any]],
   scratch: dict[int, int] | None = None,
   roof: costs.Roofline | None = None,
 ) -> Node:
@@ -421,14 +437,20 @@ def _eqn_node(
   )
   # A node's cost prices its recomputation. Recomputed elementwise work runs inside the
   # kernel that reads it, which then reads its operands in place of the value: it adds its
-  # arithmetic and the bytes it reads beyond the value. Other work writes its value out.
+  # arithmetic and the bytes it reads beyond the value (none for a value XLA computes in
+  # its readers anyway). Other work writes its value out.
   inside = {v for e in eqns for v in e.outvars}
-  read = {
-    v for e in eqns for v in e.invars if not isinstance(v, compat.Literal) and v not in inside
-  }
+  read = set().union(
+    *(
+      kept_reads.get(v, {v})
+      for e in eqns
+      for v in e.invars
+      if not isinstance(v, compat.Literal) and v not in inside
+    )
+  )
   read_bytes = sum(materialized.get(v, compat.aval_bytes(v.aval)) for v in read)
   if all(e.primitive.name in FUSIBLE_PRIMITIVES for e in eqns):
-    moved = max(read_bytes - kept, 0)
+    moved = 0 if duplicated or epilogue else max(read_bytes - kept, 0)
   else:
     moved = read_bytes + kept
   seconds = costs.kernel_seconds(eqn_costs, moved, roof)

@@ -1,20 +1,24 @@
 """Segment checkpointing schedules on any graph (Chen et al. style, for emit and verify).
 
-The graph's input order is split where its backward part begins (the first node a
-tracer marked ``backward``, else the compute where the baseline holds the most memory).
-The forward part is cut into segments of equal cost; only the values crossing a segment
-boundary (the checkpoints) and the last segment are kept, every other forward value is freed after its last forward reader and
-recomputed, from the nearest kept values, right before the first backward node that
-needs it.
+The graph's nodes are split into its forward part (`forward_nodes`, with the values they
+read, where a tracer marked the ``backward`` nodes) and the rest; a graph without marks,
+where its input order holds the most memory in the baseline. The forward part is cut into
+segments of equal cost; only the values crossing a segment boundary (the checkpoints) and
+the last segment are kept, every other forward value is freed after its last forward
+reader and recomputed, from the nearest kept values, right before the first backward node
+that needs it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from jaxremat._src.graph import RematGraph
 from jaxremat._src.schedule import Schedule, schedule_from_computes
 from jaxremat._src.simulate import baseline_schedule, simulate
+
+# The primitives whose outputs `jax.checkpoint_policies.dots_saveable` saves.
+_PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def segment_schedule(
@@ -54,11 +58,9 @@ def segment_schedule(
   """
   if n_segments < 1:
     raise ValueError(f"n_segments={n_segments!r} must be at least 1; pass 1 to keep every value.")
-  order = list(graph.order)
-  forward = order[: _forward_length(graph)]
-  backward = order[len(forward) :]
+  forward, backward, held = _split(graph)
   bounds = _segment_bounds(graph, forward, n_segments)
-  kept = set(keep) | {v for v in graph.order if graph.nodes[v].attrs.get("effectful")}
+  kept = set(keep) | held | {v for v in graph.order if graph.nodes[v].attrs.get("effectful")}
   checkpoints: set[int] = set()
   for b in bounds[1:-1]:
     checkpoints |= _cut(graph, forward, b)
@@ -80,15 +82,72 @@ def segment_schedule(
   )
 
 
-def _forward_length(graph: RematGraph) -> int:
-  """How many nodes of ``order`` belong to the forward part.
+def forward_nodes(graph: RematGraph) -> set[int]:
+  """Nodes of the forward pass: where nodes are marked ``backward``, the unmarked ones
+  that the backward pass reads (directly or through other forward nodes) and that read
+  nothing of it; every node if none is marked.
 
-  The forward part ends before the first node a tracer marked ``backward``, or else
-  before the compute where the baseline holds the most memory (all residuals live).
+  A training step also holds nodes that are neither: the optimizer's update reads the
+  gradients, and its step count reads only an input. XLA schedules them where it likes
+  (the count first, on the H100 GPT step), and counted as forward they reach over every
+  segment boundary, leaving no checkpoint to place. So do the program's constants (a
+  causal mask, a broadcast scalar: nodes `trace` marks ``constant``): merged into one
+  node per value (`capture.flatten_jaxpr`), each is read by every block.
   """
-  for pos, v in enumerate(graph.order):
-    if graph.nodes[v].attrs.get("backward"):
-      return pos
+  backward = [node.id for node in graph.nodes if node.attrs.get("backward")]
+  if not any("backward" in node.attrs for node in graph.nodes):
+    return set(graph.order)
+  read_by_backward = _reach(backward, graph.compute_preds)
+  reads_backward = _reach(backward, graph.succs)
+  constant = {v for v in graph.order if graph.nodes[v].attrs.get("constant")}
+  forward = read_by_backward - reads_backward - set(backward) - set(graph.inputs) - constant
+  # A graph whose marked backward nodes read no forward value: its unmarked nodes.
+  return forward or {n.id for n in graph.nodes if not n.attrs.get("backward")} - set(graph.inputs)
+
+
+def forward_products(graph: RematGraph) -> set[int]:
+  """The forward nodes that compute a product or a convolution: the values
+  ``jax.checkpoint_policies.dots_saveable`` saves."""
+  return {
+    v
+    for v in forward_nodes(graph)
+    if {graph.nodes[v].attrs.get("primitive"), *graph.nodes[v].attrs.get("fused", ())} & _PRODUCTS
+  }
+
+
+def _reach(start: Iterable[int], step: Sequence[Sequence[int]]) -> set[int]:
+  """The nodes reached from ``start`` by one or more ``step``s (not ``start`` itself)."""
+  seen: set[int] = set()
+  stack = [u for v in start for u in step[v]]
+  while stack:
+    v = stack.pop()
+    if v not in seen:
+      seen.add(v)
+      stack.extend(step[v])
+  return seen
+
+
+def _split(graph: RematGraph) -> tuple[list[int], list[int], set[int]]:
+  """The forward part in the input order, the rest in that order, and the values the
+  forward part reads that are not its own (constants): those are kept.
+
+  Taken by position, the forward part would end at the first marked node, which XLA's
+  order may put first: the kernel reversals of a convolution's gradient read only the
+  parameters (the ConvMixer step on H100 had 4 forward nodes so).
+  """
+  order = graph.order
+  if any("backward" in graph.nodes[v].attrs for v in order):
+    forward = forward_nodes(graph)
+    held = _reach(forward, graph.compute_preds) - forward - set(graph.inputs)
+    first = forward | held
+    return [v for v in order if v in first], [v for v in order if v not in first], held
+  length = _forward_length(graph)
+  return list(order[:length]), list(order[length:]), set()
+
+
+def _forward_length(graph: RematGraph) -> int:
+  """Without marks, the forward part ends before the compute where the baseline holds
+  the most memory (all residuals live)."""
   base = baseline_schedule(graph)
   held_bytes, best_bytes, best_pos, pos = graph.resident_bytes, -1, 0, 0
   for (kind, _), after_bytes in zip(base.events, simulate(graph, base).timeline_bytes):

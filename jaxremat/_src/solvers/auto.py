@@ -5,8 +5,9 @@
 2. No recomputation: the input order, then `reorder`'s order. Either one within budget is
    optimal (its duration is the lower bound) and ends the search.
 3. Heuristics within a share of the time limit (all of it, each taking at most half of
-   what is left, until one finds a schedule): `cover-staged` (which fits the exact
-   solver's model) and `cover`, then `xla-greedy` and the structural ones.
+   what is left, until one finds a schedule): `dots-saveable` (the plan of the policy
+   users try first), `cover-staged` (which fits the exact solver's model) and `cover`,
+   then `xla-greedy` and the structural ones.
 4. The exact solver (``moccasin`` by default, looked up in the registry, skipped where it
    is not registered) warm-started from the best heuristic schedule that its model can
    represent (where that is within ``hint_max_tdi_percent`` of the bound), for the rest
@@ -34,7 +35,9 @@ from jaxremat._src.solvers.reorder import memory_minimizing_order
 # the random layered graphs (rl1000 at 0.8: 0.5 s, cover 1 s) and the warm start of the
 # staged exact solver; cover is the best there and within a few hundredths of a point of
 # xla-greedy on the training graphs; the structural ones are cheap insurance.
+# dots-saveable, one plan evaluated, goes first.
 DEFAULT_HEURISTICS = (
+  "dots-saveable",
   "cover-staged",
   "cover",
   "xla-greedy",

@@ -75,6 +75,7 @@ _REGISTRY: dict[str, str] = {
   "chen-sqrtn": "jaxremat._src.solvers.chen:solve_chen_sqrtn",
   "chen-sqrtn-ap": "jaxremat._src.solvers.chen:solve_chen_sqrtn_ap",
   "chen-search-ap": "jaxremat._src.solvers.chen:solve_chen_search_ap",
+  "dots-saveable": "jaxremat._src.solvers.segments:solve_dots_saveable",
   "griewank": "jaxremat._src.solvers.griewank:solve_griewank",
   "griewank-ap": "jaxremat._src.solvers.griewank:solve_griewank_ap",
   "reorder": "jaxremat._src.solvers.reorder:solve_reorder",

@@ -39,47 +39,12 @@ import networkx as nx
 
 from jaxremat._src.graph import RematGraph
 from jaxremat._src.schedule import Schedule
+from jaxremat._src.segments import forward_nodes, forward_products
 from jaxremat._src.simulate import SimulationResult
 from jaxremat._src.solvers.reorder import resolve_order
 from jaxremat._src.solvers.replay import Replay, SequenceTooLongError, evaluate, pick_best
 
 _SEGMENT_BUDGET_STEPS = 40  # geometric grid of Chen's segment budgets tried
-_DOTS = frozenset({"dot_general", "conv_general_dilated"})  # what `dots_saveable` saves
-
-
-def forward_nodes(graph: RematGraph) -> set[int]:
-  """Nodes of the forward pass: where nodes are marked ``backward``, the unmarked ones
-  that the backward pass reads (directly or through other forward nodes) and that read
-  nothing of it; every node if none is marked.
-
-  A training step also holds nodes that are neither: the optimizer's update reads the
-  gradients, and its step count reads only an input. XLA schedules them where it likes
-  (the count first, on the H100 GPT step), and counted as forward they reach over every
-  segment boundary, leaving no checkpoint to place. So do the program's constants (a
-  causal mask, a broadcast scalar: nodes `trace` marks ``constant``): merged into one
-  node per value (`capture.flatten_jaxpr`), each is read by every block.
-  """
-  backward = [node.id for node in graph.nodes if node.attrs.get("backward")]
-  if not any("backward" in node.attrs for node in graph.nodes):
-    return set(graph.order)
-  read_by_backward = _reach(backward, graph.compute_preds)
-  reads_backward = _reach(backward, graph.succs)
-  constant = {v for v in graph.order if graph.nodes[v].attrs.get("constant")}
-  forward = read_by_backward - reads_backward - set(backward) - set(graph.inputs) - constant
-  # A graph whose marked backward nodes read no forward value: its unmarked nodes.
-  return forward or {n.id for n in graph.nodes if not n.attrs.get("backward")} - set(graph.inputs)
-
-
-def _reach(start: Sequence[int], step: Sequence[Sequence[int]]) -> set[int]:
-  """The nodes reached from ``start`` by one or more ``step``s (not ``start`` itself)."""
-  seen: set[int] = set()
-  stack = [u for v in start for u in step[v]]
-  while stack:
-    v = stack.pop()
-    if v not in seen:
-      seen.add(v)
-      stack.extend(step[v])
-  return seen
 
 
 def checkpoint_candidates(graph: RematGraph, order: Sequence[int], variant: str) -> list[int]:
@@ -207,7 +172,7 @@ def _rule_sets(
   """The checkpoint sets a rule tries (``"sqrtn"``, ``"greedy"`` or ``"dots"``), and what
   they are."""
   if rule == "dots":
-    dots = frozenset(v for v in order if v in forward and _DOTS & _primitives(graph, v))
+    dots = frozenset(forward_products(graph))
     return [dots], "the forward products"
   if rule == "sqrtn":
     root = max(1, round(math.sqrt(len(candidates))))
@@ -222,11 +187,6 @@ def _rule_sets(
   budgets = [smallest * ratio**k for k in range(_SEGMENT_BUDGET_STEPS + 1)]
   sets = [greedy_checkpoints(graph, candidates, order, b, forward) for b in budgets]
   return sets, f"{len(set(sets))} segment budgets"
-
-
-def _primitives(graph: RematGraph, v: int) -> set[str]:
-  attrs = graph.nodes[v].attrs
-  return {attrs.get("primitive"), *attrs.get("fused", ())}
 
 
 def _solve(

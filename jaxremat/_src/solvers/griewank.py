@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 from jaxremat._src.graph import RematGraph
 from jaxremat._src.schedule import Schedule
-from jaxremat._src.solvers.chen import checkpoint_candidates, forward_nodes
+from jaxremat._src.segments import forward_nodes
+from jaxremat._src.solvers.chen import checkpoint_candidates
 from jaxremat._src.solvers.reorder import resolve_order
 from jaxremat._src.solvers.replay import Replay, SequenceTooLongError, evaluate, pick_best
 
