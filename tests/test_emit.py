@@ -368,7 +368,8 @@ def test_convolutions_lowered_to_dots_still_count():
     return jnp.sum(h * h)
 
   key = jax.random.key(0)
-  kernels = [jax.random.normal(jax.random.fold_in(key, i), (1, 1, 8, 8)) / 3 for i in range(4)]
+  # Six layers in two segments: the first segment's first two are recomputed.
+  kernels = [jax.random.normal(jax.random.fold_in(key, i), (1, 1, 8, 8)) / 3 for i in range(6)]
   x = jax.random.normal(key, (4, 8, 8, 8))
   step = jax.grad(loss)
   program = trace_program(step, kernels, x, costs="shape")

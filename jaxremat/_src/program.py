@@ -202,6 +202,14 @@ def build_program(
       )
     )
     kept_reads.update(dict.fromkeys(made, reads))
+  # XLA computes a duplicated value inside each reader's fusion, so each reader pays for
+  # it (XLA's cost analysis counts it once per reader) and the value costs nothing itself.
+  inlined: list[set[int]] = [set() for _ in groups]
+  for g, eqn_ids in enumerate(groups):  # root order, for chains of duplicated values
+    for v in (v for k in eqn_ids for v in jaxpr.eqns[k].invars):
+      d = -1 if isinstance(v, compat.Literal) else producer[v] - n_in
+      if d != g and d in duplicated:
+        inlined[g] |= set(groups[d]) | inlined[d]
   arg_names = list(arg_names or [f"arg{i}" for i in range(len(jaxpr.invars))])
   nodes = []
   for i, v in enumerate(jaxpr.invars):
@@ -217,6 +225,7 @@ def build_program(
         eqn_ids,
         node_outvars[n_in + g],
         [eqn_costs[k] for k in eqn_ids],
+        [eqn_costs[k] for k in sorted(inlined[g])],
         g in duplicated,
         g in epilogues,
         materialized,
@@ -388,6 +397,7 @@ def _eqn_node(
   eqn_ids: list[int],
   outvars: Sequence[Any],
   eqn_costs: list[Any],
+  inlined_costs: list[Any],
   duplicated: bool,
   epilogue: bool,
   materialized: dict[Any, int],
@@ -395,6 +405,9 @@ def _eqn_node(
   scratch: dict[int, int] | None = None,
   roof: costs.Roofline | None = None,
 ) -> Node:
+  """The node of the equations ``eqns``; ``inlined_costs`` are those of the duplicated
+  values XLA computes inside its fusion, which it pays for (a duplicated node pays
+  nothing)."""
   root = eqns[-1]
   prim = root.primitive.name
   source = compat.eqn_source(root)
@@ -403,6 +416,7 @@ def _eqn_node(
   # fusions: XLA keeps nothing.
   kept = sum(materialized.get(v, compat.aval_bytes(v.aval)) for v in outvars)
   out_bytes = 0 if duplicated or epilogue else kept
+  kernel = [] if duplicated else [*eqn_costs, *inlined_costs]
   if scratch is None:
     workspace = sum(workspace_bytes(e) for e in eqns)
   else:  # the compiler's own copies (`hlo_model`)
@@ -410,8 +424,8 @@ def _eqn_node(
   attrs: dict[str, Any] = {
     "primitive": prim,
     **_avals_attrs(outvars),
-    "flops": float(sum(c.flops for c in eqn_costs)),
-    "bytes_accessed": float(sum(c.bytes_accessed for c in eqn_costs)),
+    "flops": float(sum(c.flops for c in kernel)),
+    "bytes_accessed": float(sum(c.bytes_accessed for c in kernel)),
     "source": source,
     "name_stack": stack,
     "backward": "transpose(" in stack,
@@ -453,7 +467,7 @@ def _eqn_node(
     moved = 0 if duplicated or epilogue else max(read_bytes - kept, 0)
   else:
     moved = read_bytes + kept
-  seconds = costs.kernel_seconds(eqn_costs, moved, roof)
+  seconds = costs.kernel_seconds(kernel, moved, roof) if kernel else 0.0
   return Node(i, f"{prim} @ {short}", out_bytes, seconds, attrs)
 
 
