@@ -103,7 +103,9 @@ for b in budgets:
   except jaxremat.BudgetNotMetError as e:
     plan = e.plan
     met = "NOT met"
-  pred = plan.schedule.stats["optimize"]["predicted_peak_bytes"]
+  model = plan.schedule.stats["optimize"]
+  pred = model["predicted_peak_bytes"]
+  model_flops = model["predicted_flops"] / model["predicted_baseline_flops"]
   rows.append(
     {
       "method": f"jaxremat auto @{b}",
@@ -111,13 +113,15 @@ for b in budgets:
       "peak_bytes": plan.measured_peak_bytes,
       "predicted_peak_bytes": pred,
       "flops": plan.measurement.flops,
-      "solver": plan.schedule.solver,
+      "predicted_flops_ratio": model_flops,
+      "solver": plan.schedule.stats.get("found_by", plan.schedule.solver),
       "plans": len(plan.attempts),
+      "attempts": model["attempts"],
       "seconds": time.time() - t,
     }
   )
   print(
-    f"{b}: {met} measured {plan.measured_peak_bytes / 2**20:.2f} MiB x{plan.measured_peak_bytes / base.peak_bytes:.3f} predicted {pred / 2**20:.2f} flops x{plan.measurement.flops / base.flops:.3f} solver {plan.schedule.solver} plans {len(plan.attempts)} {time.time() - t:.0f}s",
+    f"{b}: {met} measured {plan.measured_peak_bytes / 2**20:.2f} MiB x{plan.measured_peak_bytes / base.peak_bytes:.3f} predicted {pred / 2**20:.2f} flops x{plan.measurement.flops / base.flops:.3f} (model x{model_flops:.3f}) solver {plan.schedule.solver} plans {len(plan.attempts)} {time.time() - t:.0f}s",
     flush=True,
   )
 out = pathlib.Path(__file__).parent / "results" / f"unseen_model_{tgt}.json"
