@@ -79,10 +79,12 @@ MSG_NO_ARRAYS = (
   "batch as arrays, not as static arguments."
 )
 # Shares of time_limit: costing equations (the rest get shape estimates); and the time
-# kept back for compiling a plan and for verifying one, in compiles of the original.
+# kept back for compiling a plan, for verifying one and for the policy's plan, in
+# compiles of the original.
 _COSTS_SHARE = 0.25
 _COMPILES_PER_PLAN = 2.0
 _COMPILES_TO_VERIFY = 2.0
+_COMPILES_FOR_POLICY = 1.0  # `auto` only: the plan of `_Loop.try_dots_saveable`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,9 +428,12 @@ class _Loop:
     self.tried: list[_Tried] = []
     self.least_peak_tried = False
     self.baseline_hlo = baseline.hlo_text
-    # Seconds kept back for compiling and verifying a plan, from the original's compile.
+    # Seconds kept back for compiling and verifying a plan and for the policy's plan, from
+    # the original's compile.
     compiles = _COMPILES_PER_PLAN + (_COMPILES_TO_VERIFY if opts.verify else 0.0)
-    self.reserve_s = max(baseline.compile_time_s, 0.05) * compiles
+    compile_s = max(baseline.compile_time_s, 0.05)
+    self.policy_s = compile_s * (_COMPILES_FOR_POLICY if opts.solver == "auto" else 0.0)
+    self.reserve_s = compile_s * compiles + self.policy_s
 
   @property
   def met(self) -> bool:
@@ -531,7 +536,7 @@ class _Loop:
     policy users try first is a plan the compiler weighs against the others
     (`undominated`). On the ConvMixer step for H100 at 0.7, `auto`'s plan measured x0.677
     of the peak at x1.020 FLOPs, and the policy x0.641 at x1.018."""
-    if self.deadline.left_s() <= self.reserve_s:
+    if self.deadline.left_s() <= self.reserve_s - self.policy_s:
       return
     planning = self.solver_budget(self.budget_bytes - self.baseline_gap_bytes)
     try:
