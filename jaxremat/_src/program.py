@@ -459,8 +459,7 @@ def _eqn_node(
   )
   # A node's cost prices its recomputation. Recomputed elementwise work runs inside the
   # kernel that reads it, which then reads its operands in place of the value: it adds its
-  # arithmetic and the bytes it reads beyond the value (none for a value XLA computes in
-  # its readers anyway). Other work writes its value out.
+  # arithmetic and the bytes it reads beyond the value. Other work writes its value out.
   inside = {v for e in eqns for v in e.outvars}
   read = set().union(
     *(
@@ -472,7 +471,7 @@ def _eqn_node(
   )
   read_bytes = sum(materialized.get(v, compat.aval_bytes(v.aval)) for v in read)
   if all(e.primitive.name in FUSIBLE_PRIMITIVES for e in eqns):
-    moved = 0 if duplicated or epilogue else max(read_bytes - kept, 0)
+    moved = max(read_bytes - kept, 0)
   else:
     moved = read_bytes + kept
   seconds = costs.kernel_seconds(kernel, moved, roof) if kernel else 0.0
