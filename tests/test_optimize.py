@@ -19,9 +19,14 @@ from jaxremat._src.planner import (
   _REPLAN_MARGIN,
   PlanOptions,
   _cache_keys,
+  _Deadline,
+  _Loop,
   next_planning_budget,
   undominated,
 )
+from jaxremat._src.segments import segment_schedule
+from jaxremat._src.signature import call_signature
+from jaxremat._src.targets import get_target
 
 
 def _small_step():
@@ -134,10 +139,43 @@ def test_max_replans_bounds_the_plans_compiled(tmp_path):
   )
   with pytest.raises(jaxremat.BudgetNotMetError) as info:
     fast(*args)
-  # One solved plan, and the same plan once more with its whole order pinned.
+  # One solved plan, and the same plan once more with only its recomputations fenced.
   attempts = info.value.plan.attempts
-  assert [(a.origin, a.pin) for a in attempts] == [("solve", "recomputations"), ("pinned", "all")]
+  assert [(a.origin, a.pin) for a in attempts] == [("solve", "all"), ("retry", "recomputations")]
   assert attempts[0].predicted_peak_bytes == attempts[1].predicted_peak_bytes
+
+
+def test_the_fence_that_measured_lower_is_compiled_first_thereafter(tmp_path):
+  """The first plan over the budget is compiled with its whole order fenced and with only
+  its recomputations fenced; the step's next plans get the one XLA measured lower first."""
+  step, args = _small_step()
+  f = jaxremat.optimize(
+    step, budget=0.36, time_limit=30, max_replans=2, use_cache=False, verify=False, progress=False
+  )
+  with pytest.raises(jaxremat.BudgetNotMetError) as info:
+    f(*args)
+  first, retry, *later = info.value.plan.attempts
+  assert (first.pin, retry.origin, retry.pin) == ("all", "retry", "recomputations")
+  lower = min((first, retry), key=lambda a: a.measured_peak_bytes).pin
+  solved = [a for a in later if a.origin == "solve"]
+  assert solved and all(a.pin == lower for a in solved)
+
+
+def test_a_plan_compiled_already_is_not_compiled_again():
+  """A solve that returns a plan the loop compiled already (a replan that lands on the
+  plan before it, a least-peak plan equal to a solved one) costs a solve, not a compile."""
+  step, args = _small_step()
+  signature = call_signature(args, {})
+  program = jaxremat.trace_program(step, *args, signature=signature)
+  baseline = jaxremat.measure(step, *args, runs=0)
+  opts = PlanOptions(budget=0.5, target=get_target(None), progress=False)
+  budget_bytes = baseline.peak_bytes // 2
+  loop = _Loop(program, signature, budget_bytes, opts, _Deadline(60.0), baseline)
+  schedule = segment_schedule(program.graph, 2)
+  first = loop.try_schedule(schedule, "solve")
+  compiled = len(loop.tried)
+  assert loop.try_schedule(schedule, "solve") is first
+  assert len(loop.tried) == compiled and loop.solves == 2
 
 
 def test_time_limit_bounds_the_whole_first_call(tmp_path):

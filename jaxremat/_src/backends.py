@@ -69,6 +69,11 @@ class BackendFacts:
       step's plan at 0.7 moved one 128-element gradient leaf by a norm-wise 12.5% and was
       rejected at float32's eps, and ``dots_saveable`` moved ResNet's gradient by 3.6%
       (1e-7 on XLA:CPU). The verifier takes `float32_dot_eps` (benchmarks/README.md).
+    pin_first: the fence a plan that recomputes is compiled with first (`emit`'s ``pin``;
+      the planner then measures per step which holds less, `planner._Loop.try_schedule`).
+      The first plan of `optimize` on the six examples at 0.7 and 0.5 measured lower with
+      its whole order pinned on every XLA:CPU budget and on most H100 ones, and lower with
+      only its recomputations fenced on most TPU v5e ones (benchmarks/pinning.py).
   """
 
   platform: str
@@ -79,6 +84,7 @@ class BackendFacts:
   reductions_duplicate_producers: bool
   pool_gradient_buffers_at_start: bool
   float32_dot_eps_default: float
+  pin_first: str
 
   def float32_dot_eps(self) -> float:
     """``float32_dot_eps_default``, or float32's own eps where JAX's default matmul
@@ -98,11 +104,13 @@ _FACTS = {
   # schedule of benchmarks/emit.py and stayed closest to the planned peak ("cond" copies
   # every routed value at once). It holds on 0.11 too, where the barrier also does.
   "cpu": BackendFacts(
-    "cpu", "select", compat.CPU_BARRIER_HOLDS, False, _CPU_TOLERANCES, False, True, 2.0**-23
+    "cpu", "select", compat.CPU_BARRIER_HOLDS, False, _CPU_TOLERANCES, False, True, 2.0**-23, "all"
   ),
   # The barrier holds on GPU and TPU, and a cond would cost a host round trip there.
-  "gpu": BackendFacts("gpu", "barrier", True, True, _GPU_TOLERANCES, False, False, 2.0**-10),
-  "tpu": BackendFacts("tpu", "barrier", True, True, _TPU_TOLERANCES, True, False, 2.0**-7),
+  "gpu": BackendFacts("gpu", "barrier", True, True, _GPU_TOLERANCES, False, False, 2.0**-10, "all"),
+  "tpu": BackendFacts(
+    "tpu", "barrier", True, True, _TPU_TOLERANCES, True, False, 2.0**-7, "recomputations"
+  ),
 }
 
 

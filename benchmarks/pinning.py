@@ -1,0 +1,83 @@
+"""Which fence the first plan should get: its recomputations only, or its whole order.
+
+For each example training step and budget, the plan `jaxremat.optimize` makes first
+(solver ``auto``, planned below the budget by what the compiler holds beyond the model on
+the original step, in the order `_Loop.resequenced` gives it) is emitted twice, with
+``pin="recomputations"`` and with ``pin="all"``, and compiled for the target. Prints the
+compiler's peak and FLOPs of each against no remat, the model's peak and FLOPs beside
+them, and saves ``benchmarks/results/pinning_<target>.{csv,json}``.
+
+  python -m benchmarks.pinning --target h100
+  python -m benchmarks.pinning --target cpu --examples unet,vgg16 --budgets 0.7
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import pathlib
+
+import jaxremat
+from benchmarks.e2e import example_step
+from jaxremat._src.planner import PlanOptions, _Deadline, _Loop, model_flops
+from jaxremat._src.signature import call_signature
+from jaxremat._src.solve import solve
+
+EXAMPLES = ("mlp", "gpt", "unet", "resnet", "vgg16", "mobilenet")
+
+
+def first_plan_pinned_both_ways(name: str, budget: float, target, time_limit_s: float) -> dict:
+  """One row: the first plan of ``optimize`` at ``budget``, compiled with each pin."""
+  step, args = example_step(name, None)
+  signature = call_signature(args, {})
+  program = jaxremat.trace_program(step, *args, signature=signature, target=target)
+  baseline = program.baseline or jaxremat.measure(step, *args, runs=0, target=target)
+  budget_bytes = jaxremat.parse_budget(budget, baseline.peak_bytes)
+  opts = PlanOptions(budget=budget, target=target, progress=False, verify=False)
+  loop = _Loop(program, signature, budget_bytes, opts, _Deadline(10 * time_limit_s), baseline)
+  planning = loop.solver_budget(budget_bytes - loop.baseline_gap_bytes)
+  schedule = loop.resequenced(solve(loop.solver_graph, planning, "auto", time_limit=time_limit_s))
+  row = {"example": name, "budget": budget, "solver": schedule.stats.get("found_by", "auto")}
+  for pin in ("recomputations", "all"):
+    tried = loop._measure(schedule.replace(stats={**schedule.stats, "pin": pin}), "solve")
+    row[f"peak_{pin}"] = tried.compiled.peak_bytes / baseline.peak_bytes
+    row[f"flops_{pin}"] = tried.attempt.flops / baseline.flops
+    row[f"kept_{pin}"] = tried.kept
+  row["predicted"] = loop.predicted_peak_bytes(schedule) / baseline.peak_bytes
+  graph = program.graph
+  row["flops_model"] = model_flops(graph, schedule.computes) / model_flops(graph, graph.order)
+  return row
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--target", default="cpu", help="jaxremat.get_target name")
+  parser.add_argument("--examples", default=",".join(EXAMPLES))
+  parser.add_argument("--budgets", default="0.7,0.5")
+  parser.add_argument("--time-limit", type=float, default=10.0, help="seconds for the solve")
+  a = parser.parse_args()
+  target = jaxremat.get_target(None if a.target == "cpu" else a.target)
+  rows = []
+  for name in a.examples.split(","):
+    for budget in (float(b) for b in a.budgets.split(",")):
+      try:
+        row = first_plan_pinned_both_ways(name, budget, target, a.time_limit)
+      except jaxremat.JaxrematError as e:  # no plan within the planning budget
+        row = {"example": name, "budget": budget, "error": f"{type(e).__name__}: {e}"[:200]}
+      rows.append(row)
+      print(
+        " ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+        flush=True,
+      )
+  out = pathlib.Path(__file__).parent / "results" / f"pinning_{a.target}"
+  out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+  keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in rows[0], k))
+  with out.with_suffix(".csv").open("w", newline="") as f:
+    writer = csv.DictWriter(f, keys)
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+if __name__ == "__main__":
+  main()
