@@ -473,13 +473,14 @@ class _Loop:
     ``pin``): its whole order, or its recomputations alone. Which one holds less differs
     from step to step, so it is measured: the first such plan XLA measures over the budget
     is compiled with both (the target's `BackendFacts.pin_first` first), and the one XLA
-    measured lower comes first for the step's next plans. A later plan gets the other fence too where XLA held more
-    beyond the model than on the original step, or undid it. Retries do not count as
-    solves. The first plan of the MobileNet example at 0.7 measured lower pinned on XLA:CPU
-    (x0.428 of the peak against x0.796) and higher on H100 (x0.783 against x0.705); of
-    VGG16 on TPU v5e, x0.905 pinned and x0.737 not (benchmarks/pinning.py). A plan in an
-    order compiled already is not compiled again: a replan may return the plan before it
-    (the ConvMixer step for TPU v5e at 0.7, at a minute per compile).
+    measured lower comes first for the step's next plans. A later plan gets the other
+    fence too where XLA held more beyond the model than on the original step, or undid
+    it. Retries do not count as solves. The first plan of the MobileNet example at 0.7
+    measured lower pinned on XLA:CPU (x0.428 of the peak against x0.796) and higher on
+    H100 (x0.783 against x0.705); of VGG16 on TPU v5e, x0.905 pinned and x0.737 not
+    (benchmarks/pinning.py). A plan in an order compiled already is not compiled again: a
+    replan may return the plan before it (the ConvMixer step for TPU v5e at 0.7, at a
+    minute per compile; the same plan in another order is compiled again).
     """
     solved = origin in ("solve", "policy")
     if solved:
