@@ -14,12 +14,11 @@ them, and saves ``benchmarks/results/pinning_<target>.{csv,json}``.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import pathlib
 
 import jaxremat
 from benchmarks.e2e import example_step
+from benchmarks.emit import save
 from jaxremat._src.planner import PlanOptions, _Deadline, _Loop, model_flops
 from jaxremat._src.signature import call_signature
 from jaxremat._src.solve import solve
@@ -70,13 +69,7 @@ def main() -> None:
         " ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
         flush=True,
       )
-  out = pathlib.Path(__file__).parent / "results" / f"pinning_{a.target}"
-  out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-  keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in rows[0], k))
-  with out.with_suffix(".csv").open("w", newline="") as f:
-    writer = csv.DictWriter(f, keys)
-    writer.writeheader()
-    writer.writerows(rows)
+  save(rows, str(pathlib.Path(__file__).parent / "results" / f"pinning_{a.target}"))
 
 
 if __name__ == "__main__":

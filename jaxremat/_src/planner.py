@@ -482,18 +482,19 @@ class _Loop:
     replan may return the plan before it (the ConvMixer step for TPU v5e at 0.7, at a
     minute per compile; the same plan in another order is compiled again).
     """
-    solved = origin in ("solve", "policy")
-    if solved:
+    recomputes = False  # a solved plan that recomputes: both fences apply
+    if origin in ("solve", "policy"):
       self.solves += origin == "solve"
       schedule = self.resequenced(schedule)
       computes = schedule.computes
       same = [t for t in self.tried if t.schedule.computes == computes]
       if same:
         return min(same, key=lambda t: t.compiled.peak_bytes)
-      if len(set(computes)) < len(computes):  # a plan that recomputes: both fences apply
+      recomputes = len(set(computes)) < len(computes)
+      if recomputes:
         schedule = schedule.replace(stats={**schedule.stats, "pin": self.pins[0]})
     tried = self._measure(schedule, origin)
-    if tried.met or "pin" not in schedule.stats or not solved or self.deadline.left_s() <= 0:
+    if tried.met or not recomputes or self.deadline.left_s() <= 0:
       return tried
     attempt = tried.attempt
     beyond_model = attempt.measured_peak_bytes - attempt.predicted_peak_bytes
@@ -706,13 +707,10 @@ def next_planning_budget(
 def _pin(schedule: Schedule, graph: RematGraph) -> str:
   """What of ``schedule``'s order the emitted step fences (`emit`'s ``pin``).
 
-  ``stats["pin"]`` where the planner chose (`_Loop.try_schedule`; kept in the plan
-  cache). Otherwise every event: with only its recomputations fenced, XLA's scheduler runs
-  the first computations in an order of its own and holds what the plan frees, and a
-  plan that only reorders would run the original's order. The first plan of `optimize`
-  at 0.7 and 0.5 of the six examples' peaks measured lower pinned on 10 of 10 XLA:CPU
-  budgets, 5 of 9 on H100 (3 higher) and 1 of 6 on TPU v5e (benchmarks/pinning.py).
-  Nothing is fenced in the original order.
+  ``stats["pin"]`` where the planner chose (`_Loop.try_schedule`, which measures it per
+  step; kept in the plan cache). Otherwise every event: a plan that only reorders would
+  run the original's order with its recomputations alone fenced. Nothing is fenced in
+  the original order.
   """
   if "pin" in schedule.stats:
     return schedule.stats["pin"]
