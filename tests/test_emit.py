@@ -346,10 +346,19 @@ def test_pinning_fences_every_compute_and_keeps_values(mlp):
   schedule = segment_schedule(program.graph, 3)
   pinned = emit(program, schedule, pin="all")
   loose = emit(program, schedule, pin="recomputations")
+  handed_on = emit(program, schedule, pin="checkpoint")
   n_runs = len(plan_runs(program, schedule, pin="all"))
   # Every run but the first (nothing computed before it to wait for) has a fence.
-  assert pinned.n_fences == n_runs - 1 > loose.n_fences > 0
+  assert pinned.n_fences == n_runs - 1 > loose.n_fences == handed_on.n_fences > 0
+
+  # As after jax.checkpoint's barrier, later readers read the fenced copy of a weight.
+  def input_reads(fn) -> int:
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return sum(x in jaxpr.invars for e in jaxpr.eqns for x in e.invars)
+
+  assert input_reads(handed_on) < input_reads(loose)
   assert_trees_allclose(jax.jit(pinned)(*args), jax.jit(step)(*args))
+  assert_trees_allclose(jax.jit(handed_on)(*args), jax.jit(step)(*args))
   report = verify(step, pinned, schedule, *args)
   assert report.recomputes_survive and report.outputs_match
   with pytest.raises(ValueError, match="pin='order'"):

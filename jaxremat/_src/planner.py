@@ -430,8 +430,11 @@ class _Loop:
     self.solves = 0  # plans solved for compiling (`solves_left`), a repeated plan included
     # The two fences of a plan that recomputes (`emit`'s pin), the step's first choice
     # first, and whether a plan of this step was compiled with both (`try_schedule`).
-    first = backend_facts(opts.target.platform).pin_first
-    self.pins = (first, "recomputations" if first == "all" else "all")
+    facts = backend_facts(opts.target.platform)
+    self.pins = (facts.pin_first, "recomputations" if facts.pin_first == "all" else "all")
+    # Where `jax.checkpoint`'s own fence holds, the policy's plan is emitted as it emits
+    # the policy (`emit`'s ``pin="checkpoint"``), and pinned where that misses.
+    self.barrier_fence = facts.fence == "barrier"
     self.pins_compared = False
     self.least_peak_tried = False
     self.baseline_hlo = baseline.hlo_text
@@ -475,7 +478,8 @@ class _Loop:
     is compiled with both (the target's `BackendFacts.pin_first` first), and the one XLA
     measured lower comes first for the step's next plans. A later plan gets the other
     fence too where XLA held more beyond the model than on the original step, or undid
-    it. Retries do not count as solves. The first plan of the MobileNet example at 0.7
+    it. Retries do not count as solves. Where the target keeps `jax.checkpoint`'s barrier,
+    the policy's plan is compiled as the policy is (``pin="checkpoint"``) first, then pinned. The first plan of the MobileNet example at 0.7
     measured lower pinned on XLA:CPU (x0.428 of the peak against x0.796) and higher on
     H100 (x0.783 against x0.705); of VGG16 on TPU v5e, x0.905 pinned and x0.737 not
     (benchmarks/pinning.py). A plan in an order compiled already is not compiled again: a
@@ -483,6 +487,7 @@ class _Loop:
     minute per compile; the same plan in another order is compiled again).
     """
     recomputes = False  # a solved plan that recomputes: both fences apply
+    pins = self.pins
     if origin in ("solve", "policy"):
       self.solves += origin == "solve"
       schedule = self.resequenced(schedule)
@@ -491,8 +496,10 @@ class _Loop:
       if same:
         return min(same, key=lambda t: t.compiled.peak_bytes)
       recomputes = len(set(computes)) < len(computes)
+      if origin == "policy" and self.barrier_fence:
+        pins = ("checkpoint", "all")
       if recomputes:
-        schedule = schedule.replace(stats={**schedule.stats, "pin": self.pins[0]})
+        schedule = schedule.replace(stats={**schedule.stats, "pin": pins[0]})
     tried = self._measure(schedule, origin)
     if tried.met or not recomputes or self.deadline.left_s() <= 0:
       return tried
@@ -500,10 +507,11 @@ class _Loop:
     beyond_model = attempt.measured_peak_bytes - attempt.predicted_peak_bytes
     if self.pins_compared and beyond_model <= self.baseline_gap_bytes and not self.undone(attempt):
       return tried
-    other = self._measure(schedule.replace(stats={**schedule.stats, "pin": self.pins[1]}), "retry")
-    if not self.pins_compared and other.compiled.peak_bytes < tried.compiled.peak_bytes:
-      self.pins = self.pins[::-1]
-    self.pins_compared = True
+    other = self._measure(schedule.replace(stats={**schedule.stats, "pin": pins[1]}), "retry")
+    if pins is self.pins and not self.pins_compared:
+      if other.compiled.peak_bytes < tried.compiled.peak_bytes:
+        self.pins = pins[::-1]
+      self.pins_compared = True
     return min(tried, other, key=lambda t: t.compiled.peak_bytes)
 
   def resequenced(self, schedule: Schedule) -> Schedule:
