@@ -7,8 +7,14 @@ the original step, in the order `_Loop.resequenced` gives it) is emitted twice, 
 compiler's peak and FLOPs of each against no remat, the model's peak and FLOPs beside
 them, and saves ``benchmarks/results/pinning_<target>.{csv,json}``.
 
+With ``--policy``, the plan of ``jax.checkpoint``'s ``dots_saveable`` policy (solver
+``dots-saveable``, in the order `_Loop.resequenced` gives it) is compiled with each of
+`emit`'s pins, beside JAX's own ``dots_saveable`` step; results in
+``pinning_policy_<target>``.
+
   python -m benchmarks.pinning --target h100
   python -m benchmarks.pinning --target cpu --examples unet,vgg16 --budgets 0.7
+  python -m benchmarks.pinning --target h100 --policy
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import pathlib
 import jaxremat
 from benchmarks.e2e import example_step
 from benchmarks.emit import save
+from jaxremat._src.emit import PINS
 from jaxremat._src.planner import PlanOptions, _Deadline, _Loop, model_flops
 from jaxremat._src.signature import call_signature
 from jaxremat._src.solve import solve
@@ -49,19 +56,45 @@ def first_plan_pinned_both_ways(name: str, budget: float, target, time_limit_s: 
   return row
 
 
+def policy_plan_every_way(name: str, target) -> dict:
+  """One row: the plan of ``dots_saveable`` compiled with each pin, and JAX's policy."""
+  step, args = example_step(name, None)
+  signature = call_signature(args, {})
+  program = jaxremat.trace_program(step, *args, signature=signature, target=target)
+  baseline = program.baseline or jaxremat.measure(step, *args, runs=0, target=target)
+  opts = PlanOptions(budget=1.0, target=target, progress=False, verify=False)
+  loop = _Loop(program, signature, baseline.peak_bytes, opts, _Deadline(600.0), baseline)
+  schedule = loop.resequenced(solve(loop.solver_graph, 2**40, "dots-saveable"))
+  row = {"example": name}
+  for pin in PINS:
+    tried = loop._measure(schedule.replace(stats={**schedule.stats, "pin": pin}), "policy")
+    row[f"peak_{pin}"] = tried.compiled.peak_bytes / baseline.peak_bytes
+    row[f"flops_{pin}"] = tried.attempt.flops / baseline.flops
+  policy_step, _ = example_step(name, "dots_saveable")
+  policy = jaxremat.measure(policy_step, *args, runs=0, target=target)
+  row["peak_jax"] = policy.peak_bytes / baseline.peak_bytes
+  row["flops_jax"] = policy.flops / baseline.flops
+  row["predicted"] = loop.predicted_peak_bytes(schedule) / baseline.peak_bytes
+  return row
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--target", default="cpu", help="jaxremat.get_target name")
   parser.add_argument("--examples", default=",".join(EXAMPLES))
   parser.add_argument("--budgets", default="0.7,0.5")
   parser.add_argument("--time-limit", type=float, default=10.0, help="seconds for the solve")
+  parser.add_argument("--policy", action="store_true", help="the dots_saveable plan, every pin")
   a = parser.parse_args()
   target = jaxremat.get_target(None if a.target == "cpu" else a.target)
   rows = []
   for name in a.examples.split(","):
-    for budget in (float(b) for b in a.budgets.split(",")):
+    for budget in [None] if a.policy else [float(b) for b in a.budgets.split(",")]:
       try:
-        row = first_plan_pinned_both_ways(name, budget, target, a.time_limit)
+        if budget is None:
+          row = policy_plan_every_way(name, target)
+        else:
+          row = first_plan_pinned_both_ways(name, budget, target, a.time_limit)
       except jaxremat.JaxrematError as e:  # no plan within the planning budget
         row = {"example": name, "budget": budget, "error": f"{type(e).__name__}: {e}"[:200]}
       rows.append(row)
@@ -69,7 +102,8 @@ def main() -> None:
         " ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
         flush=True,
       )
-  save(rows, str(pathlib.Path(__file__).parent / "results" / f"pinning_{a.target}"))
+  stem = f"pinning_policy_{a.target}" if a.policy else f"pinning_{a.target}"
+  save(rows, str(pathlib.Path(__file__).parent / "results" / stem))
 
 
 if __name__ == "__main__":

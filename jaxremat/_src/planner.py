@@ -96,7 +96,7 @@ class Attempt:
   planning_budget_bytes: int
   predicted_peak_bytes: int
   measured_peak_bytes: int
-  # "solve", "retry" (a solve compiled again with the other fence), "policy"
+  # "solve", "retry" (a plan compiled again with the other fence), "policy"
   # (`try_dots_saveable`), "cache", "baseline", "measured plans"
   origin: str = "solve"
   pin: str = "all"  # what of the plan's order the emitted step fences (`emit`)
@@ -478,11 +478,12 @@ class _Loop:
     is compiled with both (the target's `BackendFacts.pin_first` first), and the one XLA
     measured lower comes first for the step's next plans. A later plan gets the other
     fence too where XLA held more beyond the model than on the original step, or undid
-    it. Retries do not count as solves. Where the target keeps `jax.checkpoint`'s barrier,
-    the policy's plan is compiled as the policy is (``pin="checkpoint"``) first, then pinned. The first plan of the MobileNet example at 0.7
+    it. Retries do not count as solves. The first plan of the MobileNet example at 0.7
     measured lower pinned on XLA:CPU (x0.428 of the peak against x0.796) and higher on
     H100 (x0.783 against x0.705); of VGG16 on TPU v5e, x0.905 pinned and x0.737 not
-    (benchmarks/pinning.py). A plan in an order compiled already is not compiled again: a
+    (benchmarks/pinning.py). Where the target keeps `jax.checkpoint`'s barrier, the
+    policy's plan is compiled as `jax.checkpoint` compiles the policy (``pin="checkpoint"``)
+    first, then pinned. A plan in an order compiled already is not compiled again: a
     replan may return the plan before it (the ConvMixer step for TPU v5e at 0.7, at a
     minute per compile; the same plan in another order is compiled again).
     """
