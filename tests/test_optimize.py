@@ -178,6 +178,42 @@ def test_a_plan_compiled_already_is_not_compiled_again():
   assert len(loop.tried) == compiled and loop.solves == 2
 
 
+def test_the_least_peak_plan_is_compiled_only_below_every_plan_compiled():
+  """Where a plan compiled already is at the least peak the model reaches, the least-peak
+  plan (the same plan, maybe in another order) is not compiled; otherwise it is."""
+  step, args = _small_step()
+  signature = call_signature(args, {})
+  program = jaxremat.trace_program(step, *args, signature=signature)
+  baseline = jaxremat.measure(step, *args, runs=0)
+  opts = PlanOptions(budget=0.1, target=get_target(None), progress=False)
+  budget_bytes = baseline.peak_bytes // 10
+
+  def plans_compiled_after(first) -> int:
+    loop = _Loop(program, signature, budget_bytes, opts, _Deadline(10.0), baseline)
+    loop.try_schedule(first(loop), "solve")
+    compiled = len(loop.tried)
+    loop.try_least_peak()
+    return sum(t.attempt.origin == "solve" for t in loop.tried[compiled:])
+
+  def least_in_another_order(loop):
+    """The least-peak plan with two events swapped, at the same peak in the model."""
+    least = loop.resequenced(jaxremat.minimize_peak(loop.solver_graph, "auto", time_limit=2))
+    computes = least.computes
+    for i in range(len(computes) - 1):
+      order = [*computes[:i], computes[i + 1], computes[i], *computes[i + 2 :]]
+      other = jaxremat.schedule_from_computes(loop.solver_graph, order)
+      if not jaxremat.simulate(loop.solver_graph, other).valid:  # read before it is made
+        continue
+      other = loop.resequenced(other)
+      same_peak = loop.predicted_peak_bytes(other) == loop.predicted_peak_bytes(least)
+      if same_peak and other.computes != computes:
+        return other
+    raise AssertionError("every swap changes the plan's peak or order back")
+
+  assert plans_compiled_after(least_in_another_order) == 0
+  assert plans_compiled_after(lambda loop: jaxremat.baseline_schedule(loop.solver_graph)) == 1
+
+
 def test_time_limit_bounds_the_whole_first_call(tmp_path):
   step, args = _small_step()
   fast = jaxremat.optimize(step, budget=0.7, time_limit=4, cache_dir=tmp_path)
