@@ -21,8 +21,8 @@ from jaxremat._src.planner import (
   _cache_keys,
   _Deadline,
   _Loop,
+  least_compute,
   next_planning_budget,
-  undominated,
 )
 from jaxremat._src.segments import segment_schedule
 from jaxremat._src.signature import call_signature
@@ -320,11 +320,12 @@ def test_the_first_plan_is_made_below_the_budget_by_what_xla_holds_beyond_the_mo
   assert plan.measured_peak_bytes <= plan.budget_bytes
 
 
-def test_a_plan_another_plan_beats_in_the_compilers_figures_is_dropped():
-  # (peak bytes, FLOPs): the first is beaten on peak, the last on FLOPs, by the second.
-  figures = [(10, 1.0), (8, 1.0), (9, 0.9), (8, 1.2), (7, None)]
-  assert undominated(figures) == [1, 2, 4]
-  assert undominated([(5, 1.0), (5, 1.0)]) == [0, 1]  # equal figures beat neither
+def test_of_the_plans_that_met_the_budget_the_least_compute_is_handed_out():
+  # (peak bytes, compiler FLOPs, model duration): the fewest FLOPs, whatever the model says.
+  assert least_compute([(10, 1.0, 1.0), (8, 1.0, 2.0), (9, 0.9, 3.0), (7, None, 0.0)]) == 2
+  assert least_compute([(9, 1.0, 1.0), (8, 1.0, 2.0)]) == 1  # equal FLOPs: the lower peak
+  assert least_compute([(9, None, 1.0), (8, None, 2.0)]) == 1  # no FLOPs: the lower peak
+  assert least_compute([(8, None, 2.0), (8, None, 1.0)]) == 1  # then the model's duration
 
 
 def test_the_dots_saveable_plan_is_compiled_beside_a_plan_that_met_the_budget(tmp_path):
