@@ -179,8 +179,9 @@ def test_a_plan_compiled_already_is_not_compiled_again():
 
 
 def test_the_least_peak_plan_is_compiled_only_below_every_plan_compiled():
-  """Where a plan compiled already is at the least peak the model reaches, the least-peak
-  plan (the same plan, maybe in another order) is not compiled; otherwise it is."""
+  """Where a plan compiled already is at the least peak the model reaches (or within a
+  replan's margin of it), the least-peak plan (the same plan, maybe in another order) is
+  not compiled; otherwise it is."""
   step, args = _small_step()
   signature = call_signature(args, {})
   program = jaxremat.trace_program(step, *args, signature=signature)
