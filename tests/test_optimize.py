@@ -33,6 +33,17 @@ def _small_step():
   return make_mlp_step(depth=8, width=128, batch=1024)
 
 
+def _small_loops(fraction: float, deadline_s: float):
+  """Makes planning loops for `_small_step` at ``fraction`` of its peak."""
+  step, args = _small_step()
+  signature = call_signature(args, {})
+  program = jaxremat.trace_program(step, *args, signature=signature)
+  baseline = jaxremat.measure(step, *args, runs=0)
+  opts = PlanOptions(budget=fraction, target=get_target(None), progress=False)
+  budget_bytes = int(fraction * baseline.peak_bytes)
+  return lambda: _Loop(program, signature, budget_bytes, opts, _Deadline(deadline_s), baseline)
+
+
 def test_plan_cache_round_trip_and_damaged_entries(tmp_path):
   g = jaxremat.RematGraph.build(mem=[4, 2, 1], cost=[1, 1, 1], edges=[(0, 1), (1, 2)])
   other = jaxremat.RematGraph.build(mem=[4, 2], cost=[1, 1], edges=[(0, 1)])
@@ -164,14 +175,8 @@ def test_the_fence_that_measured_lower_is_compiled_first_thereafter(tmp_path):
 def test_a_plan_compiled_already_is_not_compiled_again():
   """A solve that returns a plan the loop compiled already (a replan that lands on the
   plan before it, a least-peak plan equal to a solved one) costs a solve, not a compile."""
-  step, args = _small_step()
-  signature = call_signature(args, {})
-  program = jaxremat.trace_program(step, *args, signature=signature)
-  baseline = jaxremat.measure(step, *args, runs=0)
-  opts = PlanOptions(budget=0.5, target=get_target(None), progress=False)
-  budget_bytes = baseline.peak_bytes // 2
-  loop = _Loop(program, signature, budget_bytes, opts, _Deadline(60.0), baseline)
-  schedule = segment_schedule(program.graph, 2)
+  loop = _small_loops(0.5, 60.0)()
+  schedule = segment_schedule(loop.program.graph, 2)
   first = loop.try_schedule(schedule, "solve")
   compiled = len(loop.tried)
   assert loop.try_schedule(schedule, "solve") is first
@@ -182,15 +187,10 @@ def test_the_least_peak_plan_is_compiled_only_below_every_plan_compiled():
   """Where a plan compiled already is at the least peak the model reaches (or within a
   replan's margin of it), the least-peak plan (the same plan, maybe in another order) is
   not compiled; otherwise it is."""
-  step, args = _small_step()
-  signature = call_signature(args, {})
-  program = jaxremat.trace_program(step, *args, signature=signature)
-  baseline = jaxremat.measure(step, *args, runs=0)
-  opts = PlanOptions(budget=0.1, target=get_target(None), progress=False)
-  budget_bytes = baseline.peak_bytes // 10
+  new_loop = _small_loops(0.1, 10.0)
 
   def plans_compiled_after(first) -> int:
-    loop = _Loop(program, signature, budget_bytes, opts, _Deadline(10.0), baseline)
+    loop = new_loop()
     loop.try_schedule(first(loop), "solve")
     compiled = len(loop.tried)
     loop.try_least_peak()
