@@ -33,16 +33,22 @@ from jaxremat._src.solve import solve
 EXAMPLES = ("mlp", "gpt", "unet", "resnet", "vgg16", "mobilenet")
 
 
-def first_plan_pinned_both_ways(name: str, budget: float, target, time_limit_s: float) -> dict:
-  """One row: the first plan of ``optimize`` at ``budget``, compiled with each pin."""
+def _planning_loop(name: str, budget: float, target, deadline_s: float):
+  """The example step's args, baseline and the planner's loop at ``budget`` of its peak."""
   step, args = example_step(name, None)
   signature = call_signature(args, {})
   program = jaxremat.trace_program(step, *args, signature=signature, target=target)
   baseline = program.baseline or jaxremat.measure(step, *args, runs=0, target=target)
   budget_bytes = jaxremat.parse_budget(budget, baseline.peak_bytes)
   opts = PlanOptions(budget=budget, target=target, progress=False, verify=False)
-  loop = _Loop(program, signature, budget_bytes, opts, _Deadline(10 * time_limit_s), baseline)
-  planning = loop.solver_budget(budget_bytes - loop.baseline_gap_bytes)
+  loop = _Loop(program, signature, budget_bytes, opts, _Deadline(deadline_s), baseline)
+  return args, baseline, loop
+
+
+def first_plan_pinned_both_ways(name: str, budget: float, target, time_limit_s: float) -> dict:
+  """One row: the first plan of ``optimize`` at ``budget``, compiled with each pin."""
+  _, baseline, loop = _planning_loop(name, budget, target, 10 * time_limit_s)
+  planning = loop.solver_budget(loop.budget_bytes - loop.baseline_gap_bytes)
   schedule = loop.resequenced(solve(loop.solver_graph, planning, "auto", time_limit=time_limit_s))
   row = {"example": name, "budget": budget, "solver": schedule.stats.get("found_by", "auto")}
   for pin in ("recomputations", "all"):
@@ -51,19 +57,14 @@ def first_plan_pinned_both_ways(name: str, budget: float, target, time_limit_s: 
     row[f"flops_{pin}"] = tried.attempt.flops / baseline.flops
     row[f"kept_{pin}"] = tried.kept
   row["predicted"] = loop.predicted_peak_bytes(schedule) / baseline.peak_bytes
-  graph = program.graph
+  graph = loop.program.graph
   row["flops_model"] = model_flops(graph, schedule.computes) / model_flops(graph, graph.order)
   return row
 
 
 def policy_plan_every_way(name: str, target) -> dict:
   """One row: the plan of ``dots_saveable`` compiled with each pin, and JAX's policy."""
-  step, args = example_step(name, None)
-  signature = call_signature(args, {})
-  program = jaxremat.trace_program(step, *args, signature=signature, target=target)
-  baseline = program.baseline or jaxremat.measure(step, *args, runs=0, target=target)
-  opts = PlanOptions(budget=1.0, target=target, progress=False, verify=False)
-  loop = _Loop(program, signature, baseline.peak_bytes, opts, _Deadline(600.0), baseline)
+  args, baseline, loop = _planning_loop(name, 1.0, target, 600.0)
   schedule = loop.resequenced(solve(loop.solver_graph, 2**40, "dots-saveable"))
   row = {"example": name}
   for pin in PINS:

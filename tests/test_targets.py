@@ -516,20 +516,11 @@ def test_a_barrier_keeps_its_trigger_where_later_readers_read_its_copy():
 
 def conv_gelu_loss(params, x):
   """Depthwise and pointwise convolutions with GELUs and a residual (ConvMixer blocks)."""
+  from examples._common import conv2d
+
   for depthwise, pointwise in params:
-    y = jax.lax.conv_general_dilated(
-      x,
-      depthwise,
-      (1, 1),
-      "SAME",
-      dimension_numbers=("NHWC", "HWIO", "NHWC"),
-      feature_group_count=x.shape[-1],
-    )
-    x = x + jax.nn.gelu(y)
-    y = jax.lax.conv_general_dilated(
-      x, pointwise, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-    )
-    x = jax.nn.gelu(y)
+    x = x + jax.nn.gelu(conv2d(depthwise, x, groups=x.shape[-1]))
+    x = jax.nn.gelu(conv2d(pointwise, x))
   return jnp.mean(x**2)
 
 

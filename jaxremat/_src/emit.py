@@ -300,9 +300,9 @@ def plan_runs(
         run,
         trigger=trigger,
         routed=routed if fence in _ROUTING_FENCES else (),
-        resident=frozenset(
-          x for x in routed if pin != "checkpoint" and not _made_by_node(x, producer, program)
-        ),
+        resident=frozenset()
+        if pin == "checkpoint"
+        else frozenset(x for x in routed if not _made_by_node(x, producer, program)),
       )
       if fence == "cond-branch":
         _check_cond_results(program, run)

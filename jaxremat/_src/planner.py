@@ -494,7 +494,8 @@ class _Loop:
     minute per compile; the same plan in another order is compiled again).
     """
     recomputes = False  # a solved plan that recomputes: both fences apply
-    pins = self.pins
+    as_checkpoint = origin == "policy" and self.barrier_fence
+    pins = ("checkpoint", "all") if as_checkpoint else self.pins
     if origin in ("solve", "policy"):
       self.solves += origin == "solve"
       schedule = self.resequenced(schedule)
@@ -503,8 +504,6 @@ class _Loop:
       if same:
         return min(same, key=lambda t: t.compiled.peak_bytes)
       recomputes = len(set(computes)) < len(computes)
-      if origin == "policy" and self.barrier_fence:
-        pins = ("checkpoint", "all")
       if recomputes:
         schedule = schedule.replace(stats={**schedule.stats, "pin": pins[0]})
     tried = self._measure(schedule, origin)
@@ -515,7 +514,7 @@ class _Loop:
     if self.pins_compared and beyond_model <= self.baseline_gap_bytes and not self.undone(attempt):
       return tried
     other = self._measure(schedule.replace(stats={**schedule.stats, "pin": pins[1]}), "retry")
-    if pins is self.pins and not self.pins_compared:
+    if not as_checkpoint and not self.pins_compared:
       if other.compiled.peak_bytes < tried.compiled.peak_bytes:
         self.pins = pins[::-1]
       self.pins_compared = True
