@@ -136,11 +136,47 @@ def test_a_budget_no_plan_meets_hands_out_the_best_plan_and_its_peak_is_met_on_r
     fast(*args)
   err = info.value
   assert err.lower_bound_bytes <= err.budget_bytes < err.measured_peak_bytes
+  assert "loop" not in str(err)  # a step without loops gets no advice about them
   assert err.plan.verification is not None and err.plan.verification.outputs_match
   assert_trees_allclose(err.plan.compiled(*args), jax.jit(step)(*args))
   again = jaxremat.optimize(step, budget=err.measured_peak_bytes, time_limit=20, cache_dir=tmp_path)
   plan = again.plan(*args)
   assert plan.measured_peak_bytes <= err.measured_peak_bytes
+
+
+def _scanned_mlp_grad(checkpoint_body: bool):
+  """The gradient of an 8-layer tanh MLP run as a `lax.scan` over stacked weights."""
+
+  def body(h, w):
+    return jnp.tanh(h @ w), None
+
+  if checkpoint_body:
+    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+
+  def loss(weights, x):
+    h, _ = jax.lax.scan(body, x, weights)
+    return jnp.mean(h**2)
+
+  keys = jax.random.split(jax.random.key(5))
+  weights = jax.random.normal(keys[0], (8, 256, 256)) * 0.05
+  return jax.grad(loss), (weights, jax.random.normal(keys[1], (2048, 256)))
+
+
+def test_a_budget_a_loop_keeps_out_of_reach_names_the_loop_and_what_to_do():
+  """A scan is one node: what its iterations keep for the backward pass is kept or
+  recomputed whole. The error names the loop and its source line, and its advice works:
+  with the body under `jax.checkpoint`, the same budget is met."""
+  step, args = _scanned_mlp_grad(checkpoint_body=False)
+  budget_bytes = int(0.6 * jaxremat.measure(step, *args, runs=0).peak_bytes)
+  fast = jaxremat.optimize(step, budget=budget_bytes, time_limit=20, progress=False)
+  with pytest.raises(jaxremat.BudgetNotMetError) as info:
+    fast(*args)
+  message = str(info.value)
+  assert "The step's `scan` at " in message and f"{__file__.rsplit('/', 1)[-1]}:" in message
+  assert "jax.checkpoint" in message and "does not plan inside loop bodies" in message
+  checkpointed, _ = _scanned_mlp_grad(checkpoint_body=True)
+  plan = jaxremat.optimize(checkpointed, budget=budget_bytes, time_limit=20).plan(*args)
+  assert plan.measured_peak_bytes <= budget_bytes
 
 
 def test_max_replans_bounds_the_plans_compiled(tmp_path):

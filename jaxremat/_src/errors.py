@@ -75,6 +75,7 @@ class BudgetNotMetError(JaxrematError, RuntimeError):
     lower_bound_bytes: int,
     detail: str = "",
     cached: bool = True,
+    hint: str = "",
   ):
     self.budget_bytes = int(budget_bytes)
     self.plan = plan
@@ -91,7 +92,7 @@ class BudgetNotMetError(JaxrematError, RuntimeError):
       f"measures it{detail}; the best measures {self.measured_peak_bytes} bytes. {retry} "
       "time_limit to search longer, or catch BudgetNotMetError and run its .plan.compiled. "
       f"No plan can go below {self.lower_bound_bytes} bytes (the step's arguments and "
-      "outputs)."
+      f"outputs).{hint}"
     )
 
 

@@ -317,7 +317,8 @@ def make_plan(
   )
   if not met:
     detail = f" in {len(loop.tried)} plan(s) and {deadline.elapsed_s():.0f} s"
-    raise BudgetNotMetError(budget_bytes, plan, lower_bound, detail, cached=cache is not None)
+    hint = loops_hint(program.graph, best.compiled.peak_bytes - budget_bytes)
+    raise BudgetNotMetError(budget_bytes, plan, lower_bound, detail, cache is not None, hint)
   if cache and best.attempt.origin != "cache":
     cache.store(keys.plan, schedule, info={"graph": program.graph.name, "versions": _versions()})
   return plan
@@ -339,6 +340,38 @@ def least_compute(figures: Sequence[tuple[int, float | None, float]]) -> int:
       figures[i][2],
     ),
   )
+
+
+def loops_hint(graph: RematGraph, shortfall_bytes: int) -> str:
+  """A sentence naming the largest forward loop whose outputs alone exceed
+  ``shortfall_bytes``, or "".
+
+  A `scan` or `while` is one node of the graph: its outputs (for a scan over layers, what
+  every iteration keeps for the backward pass, stacked) can only be kept or recomputed
+  whole, so a plan cannot go below them. On an 8-layer scanned MLP they were 48 of the
+  step's 64 MiB, and every budget below the original failed with nothing said of why.
+  """
+  loops = [
+    v
+    for v, node in enumerate(graph.nodes)
+    if node.attrs.get("primitive") in _LOOPS
+    and not node.attrs.get("backward")
+    and graph.mem[v] > shortfall_bytes
+  ]
+  if not loops:
+    return ""
+  v = max(loops, key=lambda u: graph.mem[u])
+  attrs = graph.nodes[v].attrs
+  return (
+    f" The step's `{attrs['primitive']}` at {attrs.get('source', '?')} keeps "
+    f"{graph.mem[v]} bytes for the backward pass, which jaxremat plans as one value: it "
+    "does not plan inside loop bodies yet. Put the loop body under `jax.checkpoint` (e.g. "
+    "policy=jax.checkpoint_policies.dots_saveable, or nothing_saveable to keep only the "
+    "carry) so that each iteration keeps less, and plan the step again."
+  )
+
+
+_LOOPS = ("scan", "while")
 
 
 def model_flops(graph: RematGraph, computes: Sequence[int]) -> float:
