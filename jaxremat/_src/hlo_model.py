@@ -107,14 +107,18 @@ def values_in_hlo(
   A buffer that is not an equation's first (an unnamed copy: a layout change, a transposed
   operand, XLA:CPU's float32 for a bfloat16 value; or a second buffer under the same name)
   is scratch of the one equation that reads it, where one does; a second named buffer read
-  by more is more of its equation's value. Unnamed buffers read by several equations are
-  left out: their lifetimes are not known (XLA:CPU drops the names of bfloat16 arithmetic).
+  by more is more of its equation's value. A named buffer that only its own equation's
+  next instructions read (split-K partial products) is that equation's scratch. Unnamed
+  buffers read by several equations are left out: their lifetimes are not known (XLA:CPU
+  drops the names of bfloat16 arithmetic).
   """
   parts = computations(hlo)
   entry = next(c for c in parts.values() if c.is_entry)
   roots_of: dict[str, list[int | None]] = {}  # instruction -> the equation of each output
   readers: dict[str, set[int | None]] = {}  # instruction -> the equations reading it
-  for instruction in entry.instructions:
+  passed_on: set[str] = set()  # instructions some bufferless instruction reads
+  last_read: dict[str, int] = {}  # instruction -> where its last reader runs
+  for at, instruction in enumerate(entry.instructions):
     roots = [_scope(instruction.line)]
     called = _CALLS.search(instruction.rest)
     if instruction.opcode == "fusion" and called and called.group(1) in parts:
@@ -123,6 +127,9 @@ def values_in_hlo(
     reader = next((k for k in roots if k is not None), None)
     for name in instruction.operands:
       readers.setdefault(name, set()).add(reader)
+      last_read[name] = at
+      if instruction.opcode in _NO_BUFFER:  # read on through a tuple, a bitcast, ...
+        passed_on.add(name)
   sizes: dict[int, int] = {}
   scratch: dict[int, int] = {}
   position: dict[int, int] = {}
@@ -139,18 +146,40 @@ def values_in_hlo(
     roots = roots_of[instruction.name]
     if len(roots) != len(held):  # one value and a library call's scratch, or a tuple root
       roots = roots[:1] + [None] * (len(held) - 1)
+    read_by = readers.get(instruction.name, set())
     for k, size in zip(roots, held):
+      if (
+        k is not None
+        and read_by == {k}
+        and instruction.name not in passed_on
+        and _own_step(entry.instructions, roots_of, k, at, last_read[instruction.name])
+      ):
+        # A step of its own equation's work that only the equation's next instructions
+        # read (XLA:GPU's split-K partial products, summed by a reduction after them).
+        scratch[k] = scratch.get(k, 0) + size
+        continue
       if k is not None and k not in sizes:
         sizes[k] = size
         position[k] = at
         continue
-      read_by = readers.get(instruction.name, set())
       if len(read_by) == 1 and None not in read_by:
         (reader,) = read_by
         scratch[reader] = scratch.get(reader, 0) + size
       elif k is not None:
         sizes[k] += size
   return frozenset(sizes), sizes, scratch, position, tuple(arguments)
+
+
+def _own_step(
+  instructions: list[Instruction], roots_of: dict, k: int, start: int, end: int
+) -> bool:
+  """Whether nothing but equation ``k``'s own or unnamed work runs between ``start`` and
+  ``end``: a buffer it holds across another equation's values is no scratch."""
+  return all(
+    set(roots_of[i.name]) <= {k, None}
+    for i in instructions[start + 1 : end]
+    if i.opcode not in _NO_BUFFER
+  )
 
 
 def _fusion_roots(body: list[Instruction]) -> list[int | None]:
