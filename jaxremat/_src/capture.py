@@ -24,7 +24,8 @@ def flatten_jaxpr(closed: Any) -> Any:
   """Inlines jit/pjit, custom_jvp_call, custom_vjp_call and checkpoint equations.
 
   Re-traces the jaxpr with the call bodies evaluated in place, keeping each
-  equation's traceback and (outer + inner) name stack. scan, while and cond stay.
+  equation's traceback and (outer + inner) name stack, and the `optimization_barrier`
+  JAX lowers a backward pass's checkpoint behind. scan, while and cond stay.
   """
   jaxpr, consts = compat.open_jaxpr(closed)
   if not any(compat.inline_body(e) is not None for e in jaxpr.eqns):
@@ -121,6 +122,7 @@ def _eval_inlined(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> lis
     with compat.user_context(eqn, compat.current_name_stack()):
       if body is not None:
         inner, inner_consts = body
+        invals = _behind_barrier(invals, compat.barrier_operands(eqn))
         outs = _eval_inlined(inner, inner_consts, invals)
       else:
         with compat.eqn_ctx_manager(eqn):
@@ -130,6 +132,16 @@ def _eval_inlined(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> lis
     for v, x in zip(eqn.outvars, outs, strict=True):
       write(v, x)
   return [read(v) for v in jaxpr.outvars]
+
+
+def _behind_barrier(values: list[Any], mask: Sequence[bool]) -> list[Any]:
+  """``values``, those ``mask`` marks passed through one `optimization_barrier`, as JAX
+  lowers a checkpoint's recomputation: on TPU and GPU its compiler keeps the user's
+  recomputation only behind it."""
+  if not any(mask):
+    return values
+  fenced = iter(jax.lax.optimization_barrier([x for x, m in zip(values, mask) if m]))
+  return [next(fenced) if m else x for x, m in zip(values, mask)]
 
 
 def _cse_key(eqn: Any) -> tuple | None:

@@ -112,6 +112,18 @@ def inline_body(eqn: Any) -> tuple[Any, list[Any]] | None:
   return None
 
 
+def barrier_operands(eqn: Any) -> tuple[bool, ...]:
+  """Which operands of a checkpoint equation JAX lowers behind one `optimization_barrier`:
+  in a backward pass (``differentiated``), those ``prevent_cse`` marks; none elsewhere."""
+  n = len(eqn.invars)
+  if eqn.primitive.name not in ("remat2", "checkpoint", "remat") or not eqn.params.get(
+    "differentiated"
+  ):
+    return (False,) * n
+  prevent_cse = eqn.params.get("prevent_cse", True)
+  return (bool(prevent_cse),) * n if isinstance(prevent_cse, bool) else tuple(prevent_cse)
+
+
 def inner_jaxprs(eqn: Any) -> list[Any]:
   """The open jaxprs in an equation's params (scan/while/cond bodies, branches)."""
   out = []
