@@ -46,7 +46,8 @@ __all__ = [
 
 # The call-like primitives the tracer inlines: their body runs exactly once, in place.
 # `pjit` was renamed `jit` in jax 0.7; `checkpoint` is `remat2` in 0.10.
-INLINE_PRIMITIVES = frozenset(
+CHECKPOINT_PRIMITIVES = frozenset({"remat2", "checkpoint", "remat"})
+INLINE_PRIMITIVES = CHECKPOINT_PRIMITIVES | frozenset(
   {
     "jit",
     "pjit",
@@ -55,9 +56,6 @@ INLINE_PRIMITIVES = frozenset(
     "custom_jvp_call",
     "custom_vjp_call",
     "custom_vjp_call_jaxpr",
-    "remat2",
-    "checkpoint",
-    "remat",
   }
 )
 BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
@@ -116,9 +114,7 @@ def barrier_operands(eqn: Any) -> tuple[bool, ...]:
   """Which operands of a checkpoint equation JAX lowers behind one `optimization_barrier`:
   in a backward pass (``differentiated``), those ``prevent_cse`` marks; none elsewhere."""
   n = len(eqn.invars)
-  if eqn.primitive.name not in ("remat2", "checkpoint", "remat") or not eqn.params.get(
-    "differentiated"
-  ):
+  if eqn.primitive.name not in CHECKPOINT_PRIMITIVES or not eqn.params.get("differentiated"):
     return (False,) * n
   prevent_cse = eqn.params.get("prevent_cse", True)
   return (bool(prevent_cse),) * n if isinstance(prevent_cse, bool) else tuple(prevent_cse)
