@@ -161,7 +161,8 @@ def test_device_peak_of_an_isolated_run_follows_the_plan():
     compiled = jax.jit(emit(program, schedule)).lower(params, x).compile()
     run = isolated_device_peak(compiled, params, x)
     predicted = jaxremat.simulate(program.graph, schedule).peak_bytes
-    assert run["device_peak_bytes"] == pytest.approx(compat.memory_peak_bytes(compiled), rel=0.1)
+    # The allocator counts each buffer rounded to 256 bytes (an H100: within 2 KiB).
+    assert run["device_peak_bytes"] == pytest.approx(compat.memory_peak_bytes(compiled), rel=0.01)
     assert run["device_peak_bytes"] == pytest.approx(predicted, rel=0.10), run
     runs.append((run["device_peak_bytes"], predicted))
   (original, original_predicted), (emitted, emitted_predicted) = runs
