@@ -165,16 +165,17 @@ def _scanned_mlp_grad(checkpoint_body: bool):
 def test_a_budget_a_loop_keeps_out_of_reach_names_the_loop_and_what_to_do():
   """A scan is one node: what its iterations keep for the backward pass is kept or
   recomputed whole. The error names the loop and its source line, and its advice works:
-  with the body under `jax.checkpoint`, the same budget is met."""
+  the budget is the peak of the step with the body under `jax.checkpoint` (x0.47 of the
+  plain step's on jax 0.10's XLA:CPU, x0.64 on 0.11's), which the plain step misses."""
   step, args = _scanned_mlp_grad(checkpoint_body=False)
-  budget_bytes = int(0.6 * jaxremat.measure(step, *args, runs=0).peak_bytes)
+  checkpointed, _ = _scanned_mlp_grad(checkpoint_body=True)
+  budget_bytes = jaxremat.measure(checkpointed, *args, runs=0).peak_bytes
   fast = jaxremat.optimize(step, budget=budget_bytes, time_limit=20, progress=False)
   with pytest.raises(jaxremat.BudgetNotMetError) as info:
     fast(*args)
   message = str(info.value)
   assert "The step's `scan` at " in message and f"{__file__.rsplit('/', 1)[-1]}:" in message
   assert "jax.checkpoint" in message and "does not plan inside loop bodies" in message
-  checkpointed, _ = _scanned_mlp_grad(checkpoint_body=True)
   plan = jaxremat.optimize(checkpointed, budget=budget_bytes, time_limit=20).plan(*args)
   assert plan.measured_peak_bytes <= budget_bytes
 
