@@ -13,6 +13,7 @@ from backend import FACTS, assert_trees_allclose
 import examples
 import jaxremat
 from jaxremat._src import compat
+from jaxremat._src.program import build_program
 from jaxremat._src.xla_memory import device_peak_bytes, live_bytes_within, xla_accounted_peak_bytes
 
 trace_program = functools.partial(jaxremat.trace_program, costs="shape")
@@ -587,12 +588,59 @@ def test_the_compiler_model_sizes_values_as_the_target_lays_them_out():
       "}",
     ]
   )
-  kept, sizes, scratch, position, arguments = hlo_model.values_in_hlo(hlo, 1)
-  assert kept == {0, 1, 2}
-  assert sizes[0] == 32 * 128 * 4 and sizes[1] == 104 * 128 * 4
-  assert scratch == {1: 104 * 128 * 4}  # the layout copy read only by the transpose
-  assert arguments == (32 * 128 * 4,)
-  assert position == {0: 1, 1: 3, 2: 4}
+  values = hlo_model.values_in_hlo(hlo, 1)
+  assert values.kept == {0, 1, 2}
+  assert values.bytes[0] == 32 * 128 * 4 and values.bytes[1] == 104 * 128 * 4
+  assert values.scratch == {1: 104 * 128 * 4}  # the layout copy read only by the transpose
+  assert values.argument_bytes == (32 * 128 * 4,)
+  assert values.position == {0: 1, 1: 3, 2: 4}
+  assert values.held_for == {} and values.constants == {}  # none held across others' work
+
+
+def test_a_buffer_held_across_other_work_is_its_makers_value_until_its_readers_run():
+  """XLA:GPU computes the zeros that a max pool's gradient scatters into beside the forward
+  pass's ReLU, as a second output of its fusion, and holds them to the backward pass. Read
+  through its tuple element, the buffer is more of the ReLU's value, held for the reader
+  after the copy that XLA makes of it (`values_in_hlo` on a GPU-style program)."""
+  from jaxremat._src import hlo_model
+
+  def scope(k: int, op: str) -> str:
+    return f'metadata={{op_name="jit(f)/jaxremat_eqn{k}/{op}"}}'
+
+  hlo = "\n".join(
+    [
+      "%fused (p: f32[64,128]) -> (f32[64,128], f32[64,128]) {",
+      "  %p = f32[64,128]{1,0} parameter(0)",
+      "  %zero = f32[] constant(0)",
+      "  %z = f32[64,128]{1,0} broadcast(%zero), dimensions={}",
+      f"  %m = f32[64,128]{{1,0}} maximum(%p, %z), {scope(0, 'max')}",
+      "  ROOT %tuple = (f32[64,128]{1,0}, f32[64,128]{1,0}) tuple(%m, %z)",
+      "}",
+      "",
+      "ENTRY %main (x: f32[64,128]) -> f32[64,128] {",
+      "  %x = f32[64,128]{1,0} parameter(0)",
+      "  %f = (f32[64,128]{1,0}, f32[64,128]{1,0}) fusion(%x), kind=kLoop, calls=%fused, "
+      + scope(0, "max"),
+      f"  %relu = f32[64,128]{{1,0}} get-tuple-element(%f), index=0, {scope(0, 'max')}",
+      f"  %zeros = f32[64,128]{{1,0}} get-tuple-element(%f), index=1, {scope(0, 'max')}",
+      f"  %t = f32[64,128]{{1,0}} tanh(%relu), {scope(1, 'tanh')}",
+      "  %c = f32[64,128]{1,0} copy(%zeros)",
+      f"  ROOT %s = f32[64,128]{{1,0}} add(%t, %c), {scope(2, 'add')}",
+      "}",
+    ]
+  )
+  values = hlo_model.values_in_hlo(hlo, 1)
+  array = 64 * 128 * 4
+  assert values.kept == {0, 1, 2}
+  assert values.bytes == {0: 2 * array, 1: array, 2: array}  # the ReLU and the zeros
+  assert values.held_for == {0: {2}}  # read, through the copy, by the add after the tanh
+  assert values.constants == {}  # made by the ReLU's fusion, not from constants alone
+  assert values.scratch == {2: array}  # the copy, made right before its one reader
+  # In the graph, the ReLU's node stays live until the add runs.
+  relu, add = 1, 3  # after the argument's node
+  closed = jax.make_jaxpr(lambda x: jnp.tanh(jnp.maximum(x, 0.0)) + 0.0)(jnp.ones((64, 128)))
+  graph = build_program(closed, costs_mode="shape", compiled=values).graph
+  assert (relu, add) in graph.edges and (relu, add - 1) in graph.edges
 
 
 def test_repeated_equations_are_merged_as_xla_cse_merges_them():

@@ -44,6 +44,9 @@ _CALLS = re.compile(r"calls=%([\w.-]+)")
 # Instructions that hold no buffer of their own.
 _NO_BUFFER: Final = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "constant"})
 _PARAMETER = re.compile(r"parameter\((\d+)\)")
+_INDEX = re.compile(r"index=(\d+)")
+# Instructions that XLA runs in the buffer of the operand they update, as their output.
+_IN_PLACE: Final = frozenset({"scatter", "dynamic-update-slice"})
 # Instructions that hold their operand's value in another dtype or layout.
 _STORAGE_ONLY: Final = frozenset({"convert", "copy", "bitcast", "reshape", "bitcast-convert"})
 
@@ -57,7 +60,10 @@ class CompiledValues:
   scratch: dict[int, int]  # equation -> bytes of the copies only it reads, while it runs
   position: dict[int, int]  # kept equation -> where the compiler's schedule first makes it
   argument_bytes: tuple[int, ...]  # per jaxpr input, as the compiled parameter holds it
-  measurement: Measurement  # the compiler's figures for the program (the same as the step's)
+  held_for: dict[int, set[int]]  # kept equation -> later ones reading a buffer it holds
+  constants: dict[int, int]  # equation -> bytes made from constants at the start, held for it
+  hoisted: frozenset[int]  # equations whose output buffer XLA makes at the start
+  measurement: Measurement | None = None  # the compiler's figures for the program
 
 
 def compiled_values(
@@ -94,46 +100,105 @@ def compiled_values(
 
   specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
   measured = measure(scoped, *specs, runs=0, donate_argnums=donate_argnums, target=target)
-  return CompiledValues(*values_in_hlo(measured.hlo_text, len(jaxpr.invars)), measured)
+  values = values_in_hlo(measured.hlo_text, len(jaxpr.invars))
+  return dataclasses.replace(values, measurement=measured)
 
 
-def values_in_hlo(
-  hlo: str, n_arguments: int
-) -> tuple[frozenset[int], dict[int, int], dict[int, int], dict[int, int], tuple[int, ...]]:
+def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   """The scoped equations that top-level instructions of the entry computation root, the
   bytes of what they hold in device memory, and where the schedule makes them (the entry
   computation of an optimized module lists its instructions in execution order).
 
-  A buffer that is not an equation's first (an unnamed copy: a layout change, a transposed
-  operand, XLA:CPU's float32 for a bfloat16 value; or a second buffer under the same name)
-  is scratch of the one equation that reads it, where one does; a second named buffer read
-  by more is more of its equation's value. A named buffer that only its own equation's
-  next instructions read (split-K partial products) is that equation's scratch. Unnamed
-  buffers read by several equations are left out: their lifetimes are not known (XLA:CPU
-  drops the names of bfloat16 arithmetic).
+  Reads are followed through tuples, their elements and bitcasts to the buffer read, and
+  through unnamed instructions to the equations that read what those make. A buffer that
+  is not an equation's first (an unnamed copy: a layout change, a transposed operand,
+  XLA:CPU's float32 for a bfloat16 value; or a second buffer under the same name) is
+  scratch of the one equation that reads it, where one does and nothing else runs in
+  between. One that its equation makes to hold across other equations' work is more of
+  that equation's value, and the equations that read it are returned as its readers
+  (XLA:GPU computes the zeros that a max pool's gradient scatters into once, beside the
+  forward pass's ReLU, and holds them to the backward pass). A named buffer that only its
+  own equation's next instructions read (split-K partial products) is that equation's
+  scratch. A buffer that nothing reads is its instruction's working memory. An unnamed
+  buffer made from constants alone (a max pool gradient's zeros) XLA makes before the
+  program runs: it is held for its last reader, or it is the output of the one reader
+  that updates it in place. Other unnamed buffers read by several equations are left
+  out: their lifetimes are not known (XLA:CPU drops the names of bfloat16 arithmetic).
   """
   parts = computations(hlo)
   entry = next(c for c in parts.values() if c.is_entry)
   roots_of: dict[str, list[int | None]] = {}  # instruction -> the equation of each output
-  readers: dict[str, set[int | None]] = {}  # instruction -> the equations reading it
-  passed_on: set[str] = set()  # instructions some bufferless instruction reads
-  last_read: dict[str, int] = {}  # instruction -> where its last reader runs
+  own: dict[str, int | None] = {}  # instruction -> the equation it runs for, if named
+  elements: dict[str, list[tuple[str, int]]] = {}  # name -> the buffers its value is
+  read_by: dict[tuple[str, int], list[str]] = {}  # buffer -> the instructions reading it
+  last_read: dict[tuple[str, int], int] = {}  # buffer -> where its last reader runs
+  outputs: set[tuple[str, int]] = set()
+  in_place: dict[str, int] = {}  # instruction that updates an operand's buffer -> its bytes
+  constant_names: set[str] = set()
+  from_constants: set[str] = set()  # instructions that read nothing but constants
   for at, instruction in enumerate(entry.instructions):
-    roots = [_scope(instruction.line)]
-    called = _CALLS.search(instruction.rest)
-    if instruction.opcode == "fusion" and called and called.group(1) in parts:
-      roots = _fusion_roots(parts[called.group(1)].instructions) or roots
-    roots_of[instruction.name] = roots
-    reader = next((k for k in roots if k is not None), None)
-    for name in instruction.operands:
-      readers.setdefault(name, set()).add(reader)
-      last_read[name] = at
-      if instruction.opcode in _NO_BUFFER:  # read on through a tuple, a bitcast, ...
-        passed_on.add(name)
+    name, operands = instruction.name, instruction.operands
+    if instruction.opcode in ("parameter", "constant"):
+      elements[name] = []
+      if instruction.opcode == "constant":
+        constant_names.add(name)
+    elif instruction.opcode in ("bitcast", "tuple"):
+      elements[name] = [b for o in operands for b in elements.get(o, [])]
+    elif instruction.opcode == "get-tuple-element":
+      whole = elements.get(operands[0], [])
+      index = int(_INDEX.search(instruction.rest).group(1))
+      elements[name] = whole[index : index + 1] if len(whole) > 1 else whole
+    else:
+      roots = [_scope(instruction.line)]
+      called = _CALLS.search(instruction.rest)
+      if instruction.opcode == "fusion" and called and called.group(1) in parts:
+        roots = _fusion_roots(parts[called.group(1)].instructions) or roots
+      roots_of[name] = roots
+      body = parts[called.group(1)].instructions if called and called.group(1) in parts else []
+      root = next((i for i in body if i.is_root), instruction)
+      if root.opcode in _IN_PLACE:
+        in_place[name] = sum(b.bytes for b in buffers(instruction.shape))
+      if all(o in constant_names for o in operands):
+        from_constants.add(name)
+      own[name] = next((k for k in roots if k is not None), _scope(instruction.line))
+      elements[name] = [(name, j) for j in range(len(buffers(instruction.shape)))]
+      for o in operands:
+        for b in elements.get(o, []):
+          read_by.setdefault(b, []).append(name)
+          last_read[b] = at
+    if instruction.is_root:
+      outputs.update(elements[name])
+
+  named: dict[str, frozenset[int | None]] = {}  # instruction -> the equations it serves
+
+  def readers_of(b: tuple[str, int]) -> frozenset[int | None]:
+    return frozenset().union(*(serves(r) for r in read_by.get(b, [])))
+
+  def serves(name: str) -> frozenset[int | None]:
+    if name not in named:
+      if own[name] is not None:
+        named[name] = frozenset({own[name]})
+      else:  # an unnamed copy or conversion: whom what it makes is for
+        made = [readers_of(b) for b in elements[name]]
+        named[name] = frozenset().union(*made) or frozenset({None})
+    return named[name]
+
   sizes: dict[int, int] = {}
   scratch: dict[int, int] = {}
   position: dict[int, int] = {}
+  held_for: dict[int, set[int]] = {}
+  constants: dict[int, int] = {}
+  hoisted: set[int] = set()
+  early: list[tuple[int, int]] = []  # bytes made from constants, where their last reader runs
   arguments = [0] * n_arguments
+
+  def between(k: int | None, start: int, end: int) -> bool:
+    return k is not None and _own_step(entry.instructions, roots_of, k, start, end)
+
+  def updated(b: tuple[str, int], size: int) -> bool:
+    """Whether ``b`` is the buffer its one reader updates and returns (a scatter's zeros)."""
+    return {in_place.get(r) for r in read_by[b]} == {size}
+
   for at, instruction in enumerate(entry.instructions):
     held = [b.bytes for b in buffers(instruction.shape)] or [0]
     if instruction.opcode == "parameter":
@@ -141,19 +206,21 @@ def values_in_hlo(
       if index < n_arguments:
         arguments[index] = sum(held)
       continue
-    if instruction.opcode in _NO_BUFFER:
+    if instruction.name not in roots_of:
       continue
     roots = roots_of[instruction.name]
     if len(roots) != len(held):  # one value and a library call's scratch, or a tuple root
       roots = roots[:1] + [None] * (len(held) - 1)
-    read_by = readers.get(instruction.name, set())
-    for k, size in zip(roots, held):
-      if (
-        k is not None
-        and read_by == {k}
-        and instruction.name not in passed_on
-        and _own_step(entry.instructions, roots_of, k, at, last_read[instruction.name])
-      ):
+    owner = own[instruction.name]
+    for j, (k, size) in enumerate(zip(roots, held)):
+      b = (instruction.name, j)
+      readers, end = readers_of(b), last_read.get(b, at)
+      direct = {own[r] for r in read_by.get(b, [])}
+      (reader,) = direct if len(direct) == 1 else (None,)
+      if b in outputs:
+        readers = readers | {None}
+        reader = None
+      if k is not None and readers == {k} and between(k, at, end):
         # A step of its own equation's work that only the equation's next instructions
         # read (XLA:GPU's split-K partial products, summed by a reduction after them).
         scratch[k] = scratch.get(k, 0) + size
@@ -162,12 +229,39 @@ def values_in_hlo(
         sizes[k] = size
         position[k] = at
         continue
-      if len(read_by) == 1 and None not in read_by:
-        (reader,) = read_by
-        scratch[reader] = scratch.get(reader, 0) + size
-      elif k is not None:
-        sizes[k] += size
-  return frozenset(sizes), sizes, scratch, position, tuple(arguments)
+      holder = owner if k is None else k
+      if not readers:
+        if holder is not None:  # what the instruction works in, read by nothing after it
+          scratch[holder] = scratch.get(holder, 0) + size
+      elif holder is None and instruction.name in from_constants and readers != {None}:
+        # Zeros or indices made from constants alone: XLA makes them before the program
+        # runs and holds them for their last reader (a max pool gradient's zeros, iotas).
+        if reader is not None and updated(b, size):
+          hoisted.add(reader)
+        else:
+          early.append((size, end))
+      elif reader is not None and (holder not in sizes or between(reader, at, end)):
+        if not updated(b, size):  # else it is its reader's output
+          scratch[reader] = scratch.get(reader, 0) + size
+      elif holder in sizes:
+        sizes[holder] += size
+        held_for.setdefault(holder, set()).update(readers - {holder, None})
+  # Each is held until the first value made after its last reader runs (XLA:CPU runs a
+  # pool gradient's argmax with the forward pool, under the gradient's name).
+  by_position = sorted((at, k) for k, at in position.items())
+  for size, end in early:
+    k = next((k for at, k in by_position if at >= end), by_position[-1][1])
+    constants[k] = constants.get(k, 0) + size
+  return CompiledValues(
+    frozenset(sizes),
+    sizes,
+    scratch,
+    position,
+    tuple(arguments),
+    held_for,
+    constants,
+    frozenset(hoisted),
+  )
 
 
 def _own_step(
