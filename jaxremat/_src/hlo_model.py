@@ -129,6 +129,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   entry = next(c for c in parts.values() if c.is_entry)
   roots_of: dict[str, list[int | None]] = {}  # instruction -> the equation of each output
   own: dict[str, int | None] = {}  # instruction -> the equation it runs for, if named
+  held: dict[str, list[int]] = {}  # instruction -> the bytes of each of its buffers
   elements: dict[str, list[tuple[str, int]]] = {}  # name -> the buffers its value is
   read_by: dict[tuple[str, int], list[str]] = {}  # buffer -> the instructions reading it
   last_read: dict[tuple[str, int], int] = {}  # buffer -> where its last reader runs
@@ -149,19 +150,20 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
       index = int(_INDEX.search(instruction.rest).group(1))
       elements[name] = whole[index : index + 1] if len(whole) > 1 else whole
     else:
-      roots = [_scope(instruction.line)]
       called = _CALLS.search(instruction.rest)
-      if instruction.opcode == "fusion" and called and called.group(1) in parts:
-        roots = _fusion_roots(parts[called.group(1)].instructions) or roots
-      roots_of[name] = roots
       body = parts[called.group(1)].instructions if called and called.group(1) in parts else []
-      root = next((i for i in body if i.is_root), instruction)
-      if root.opcode in _IN_PLACE:
-        in_place[name] = sum(b.bytes for b in buffers(instruction.shape))
+      roots = [_scope(instruction.line)]
+      if instruction.opcode == "fusion" and body:
+        roots = _fusion_roots(body) or roots
+      roots_of[name] = roots
+      own[name] = next((k for k in roots if k is not None), _scope(instruction.line))
+      sizes_of = [b.bytes for b in buffers(instruction.shape)]
+      held[name] = sizes_of or [0]
+      elements[name] = [(name, j) for j in range(len(sizes_of))]
+      if next((i for i in body if i.is_root), instruction).opcode in _IN_PLACE:
+        in_place[name] = sum(sizes_of)
       if all(o in constant_names for o in operands):
         from_constants.add(name)
-      own[name] = next((k for k in roots if k is not None), _scope(instruction.line))
-      elements[name] = [(name, j) for j in range(len(buffers(instruction.shape)))]
       for o in operands:
         for b in elements.get(o, []):
           read_by.setdefault(b, []).append(name)
@@ -200,19 +202,18 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
     return {in_place.get(r) for r in read_by[b]} == {size}
 
   for at, instruction in enumerate(entry.instructions):
-    held = [b.bytes for b in buffers(instruction.shape)] or [0]
     if instruction.opcode == "parameter":
       index = int(_PARAMETER.search(instruction.line).group(1))
       if index < n_arguments:
-        arguments[index] = sum(held)
+        arguments[index] = sum(b.bytes for b in buffers(instruction.shape))
       continue
     if instruction.name not in roots_of:
       continue
-    roots = roots_of[instruction.name]
-    if len(roots) != len(held):  # one value and a library call's scratch, or a tuple root
-      roots = roots[:1] + [None] * (len(held) - 1)
+    sizes_of, roots = held[instruction.name], roots_of[instruction.name]
+    if len(roots) != len(sizes_of):  # one value and a library call's scratch, or a tuple root
+      roots = roots[:1] + [None] * (len(sizes_of) - 1)
     owner = own[instruction.name]
-    for j, (k, size) in enumerate(zip(roots, held)):
+    for j, (k, size) in enumerate(zip(roots, sizes_of)):
       b = (instruction.name, j)
       readers, end = readers_of(b), last_read.get(b, at)
       direct = {own[r] for r in read_by.get(b, [])}
