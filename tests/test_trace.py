@@ -555,14 +555,16 @@ def test_the_compiler_says_which_values_keep_a_buffer():
   rules = jaxremat.trace_program(step, *args, costs="shape", model="rules")
   compiled = jaxremat.trace_program(step, *args, costs="shape", model="compiler")
   assert rules.graph.meta["model"] == "rules" and compiled.graph.meta["model"] == "compiler"
-  assert xla_accounted_peak_bytes(rules.graph) > 1.3 * measured
+  if FACTS.platform == "cpu":  # the rules describe XLA:CPU alone
+    assert xla_accounted_peak_bytes(rules.graph) > 1.3 * measured
   assert abs(xla_accounted_peak_bytes(compiled.graph) - measured) <= 0.1 * measured
   # The same equations, grouped otherwise; each still in exactly one node.
   assert sorted(k for g in compiled.node_eqns for k in g) == list(range(len(compiled.jaxpr.eqns)))
   # Tracing compiled the step: its figures are the step's own, and what optimize starts from.
   assert compiled.baseline.peak_bytes == measured and rules.baseline is None
-  # The default on this machine is the rules; the compiler for a target without devices.
-  assert jaxremat.trace_program(step, *args, costs="shape").graph.meta["model"] == "rules"
+  # The default: the rules on XLA:CPU, the compiler on a GPU or TPU, here or not.
+  default = jaxremat.trace_program(step, *args, costs="shape").graph.meta["model"]
+  assert default == ("rules" if FACTS.platform == "cpu" else "compiler")
   with pytest.raises(ValueError, match="memory model"):
     jaxremat.trace_program(step, *args, model="guess")
 
@@ -594,7 +596,9 @@ def test_the_compiler_model_sizes_values_as_the_target_lays_them_out():
   assert values.scratch == {1: 104 * 128 * 4}  # the layout copy read only by the transpose
   assert values.argument_bytes == (32 * 128 * 4,)
   assert values.position == {0: 1, 1: 3, 2: 4}
-  assert values.held_for == {} and values.constants == {}  # none held across others' work
+  # Which equations' instructions read each value: the tanh by the transpose, through the
+  # copy, and by the add.
+  assert values.read_for == {0: {1, 2}, 1: {2}, 2: set()} and values.constants == {}
 
 
 def test_a_buffer_held_across_other_work_is_its_makers_value_until_its_readers_run():
@@ -633,7 +637,7 @@ def test_a_buffer_held_across_other_work_is_its_makers_value_until_its_readers_r
   array = 64 * 128 * 4
   assert values.kept == {0, 1, 2}
   assert values.bytes == {0: 2 * array, 1: array, 2: array}  # the ReLU and the zeros
-  assert values.held_for == {0: {2}}  # read, through the copy, by the add after the tanh
+  assert values.read_for[0] == {1, 2}  # the ReLU by the tanh; the zeros, via the copy, by the add
   assert values.constants == {}  # made by the ReLU's fusion, not from constants alone
   assert values.scratch == {2: array}  # the copy, made right before its one reader
   # In the graph, the ReLU's node stays live until the add runs.
@@ -641,6 +645,65 @@ def test_a_buffer_held_across_other_work_is_its_makers_value_until_its_readers_r
   closed = jax.make_jaxpr(lambda x: jnp.tanh(jnp.maximum(x, 0.0)) + 0.0)(jnp.ones((64, 128)))
   graph = build_program(closed, costs_mode="shape", compiled=values).graph
   assert (relu, add) in graph.edges and (relu, add - 1) in graph.edges
+
+
+def test_a_value_that_a_later_fusion_reads_stays_live_until_that_fusion_runs():
+  """XLA fuses cheap producers into each reader: the fusion of a later equation may read
+  a value that, in the jaxpr, only a producer it recomputes reads (XLA:TPU recomputes a
+  batch norm and ReLU from a convolution's output inside the next weight gradient). The
+  compiled program's operands keep that value live until the fusion runs. A value XLA
+  makes once in the one reader's layout and once as itself is that reader's scratch."""
+  from jaxremat._src import hlo_model
+
+  def scope(k: int, op: str) -> str:
+    return f'metadata={{op_name="jit(f)/jaxremat_eqn{k}/{op}"}}'
+
+  hlo = "\n".join(
+    [
+      "ENTRY %main (x: f32[64,128]) -> (f32[64,128], f32[64,128]) {",
+      "  %x = f32[64,128]{1,0} parameter(0)",
+      f"  %t = f32[64,128]{{0,1}} sin(%x), {scope(0, 'sin')}",
+      f"  %a = f32[64,128]{{1,0}} sin(%x), {scope(0, 'sin')}",
+      f"  %b = f32[64,128]{{1,0}} multiply(%t, %t), {scope(1, 'mul')}",
+      f"  %c = f32[64,128]{{1,0}} tanh(%x), {scope(2, 'tanh')}",
+      f"  %d = f32[64,128]{{1,0}} add(%a, %c), {scope(3, 'add')}",
+      "  ROOT %out = (f32[64,128]{1,0}, f32[64,128]{1,0}) tuple(%b, %d)",
+      "}",
+    ]
+  )
+  values = hlo_model.values_in_hlo(hlo, 1)
+  array = 64 * 128 * 4
+  assert values.kept == {0, 1, 2, 3} and values.bytes[0] == array
+  assert values.scratch == {1: array} and values.position[0] == 2  # %t: the mul's layout
+  # The sine's buffer is read by the add's instruction, which recomputes the mul.
+  assert values.read_for[0] == {3}
+
+  def f(x):
+    doubled = jnp.sin(x) * 2.0
+    return doubled, doubled + jnp.tanh(x)
+
+  closed = jax.make_jaxpr(f)(jnp.ones((64, 128)))
+  sine, add = 1, 4  # after the argument's node
+  graph = build_program(closed, costs_mode="shape", compiled=values).graph
+  assert (sine, add) in graph.edges
+  jaxpr_reads = dataclasses.replace(values, read_for={})
+  assert (sine, add) not in build_program(
+    closed, costs_mode="shape", compiled=jaxpr_reads
+  ).graph.edges
+
+
+def test_the_compiler_model_holds_what_later_fusions_recompute_from():
+  """The ResNet example's batch norms: XLA keeps one buffer of ``x - mean``, which the
+  graph has merged with its repeat inside ``jnp.var``, and recomputes it from the
+  convolution's output and the mean inside later fusions, those of the backward pass
+  too. Read from the compiled program's operands, the convolutions' outputs stay live
+  until then: the step's peak is predicted within 5% (from the jaxpr's reads, x0.80 on
+  XLA:CPU)."""
+  step, args = examples.load("resnet").make_train_step()
+  program = jaxremat.trace_program(step, *args, costs="shape", model="compiler")
+  measured = program.baseline.peak_bytes
+  predicted = xla_accounted_peak_bytes(program.graph, None, program.baseline.alias_bytes)
+  assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
 
 
 def test_repeated_equations_are_merged_as_xla_cse_merges_them():

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 from typing import Any, Final
@@ -60,7 +61,7 @@ class CompiledValues:
   scratch: dict[int, int]  # equation -> bytes of the copies only it reads, while it runs
   position: dict[int, int]  # kept equation -> where the compiler's schedule first makes it
   argument_bytes: tuple[int, ...]  # per jaxpr input, as the compiled parameter holds it
-  held_for: dict[int, set[int]]  # kept equation -> later ones reading a buffer it holds
+  read_for: dict[int, set[int]]  # kept equation -> the others whose instructions read it
   constants: dict[int, int]  # equation -> bytes made from constants at the start, held for it
   hoisted: frozenset[int]  # equations whose output buffer XLA makes at the start
   measurement: Measurement | None = None  # the compiler's figures for the program
@@ -110,14 +111,18 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   computation of an optimized module lists its instructions in execution order).
 
   Reads are followed through tuples, their elements and bitcasts to the buffer read, and
-  through unnamed instructions to the equations that read what those make. A buffer that
-  is not an equation's first (an unnamed copy: a layout change, a transposed operand,
-  XLA:CPU's float32 for a bfloat16 value; or a second buffer under the same name) is
-  scratch of the one equation that reads it, where one does and nothing else runs in
-  between. One that its equation makes to hold across other equations' work is more of
-  that equation's value, and the equations that read it are returned as its readers
-  (XLA:GPU computes the zeros that a max pool's gradient scatters into once, beside the
-  forward pass's ReLU, and holds them to the backward pass). A named buffer that only its
+  through unnamed instructions to the equations that read what those make: each kept
+  equation's readers in the compiled program, which may be more than the jaxpr's (XLA
+  recomputes cheap producers inside their readers' fusions). A buffer that is not an
+  equation's first (an unnamed copy: a layout change, a transposed operand, XLA:CPU's
+  float32 for a bfloat16 value; or a second buffer under the same name) is scratch of
+  the one equation that reads it, where one does and nothing else runs in between; so is
+  an equation's first buffer where the equation makes another after it, in the layout of
+  the one reader that runs right after it (XLA:CPU computes a value that one product
+  reads transposed twice, once in that layout). One that its equation makes to hold
+  across other equations' work is more of that equation's value (XLA:GPU computes the
+  zeros that a max pool's gradient scatters into once, beside the forward pass's ReLU,
+  and holds them to the backward pass). A named buffer that only its
   own equation's next instructions read (split-K partial products) is that equation's
   scratch. A buffer that nothing reads is its instruction's working memory. An unnamed
   buffer made from constants alone (a max pool gradient's zeros) XLA makes before the
@@ -188,19 +193,29 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   sizes: dict[int, int] = {}
   scratch: dict[int, int] = {}
   position: dict[int, int] = {}
-  held_for: dict[int, set[int]] = {}
+  read_for: dict[int, set[int]] = {}
   constants: dict[int, int] = {}
   hoisted: set[int] = set()
   early: list[tuple[int, int]] = []  # bytes made from constants, where their last reader runs
   arguments = [0] * n_arguments
 
-  def between(k: int | None, start: int, end: int) -> bool:
-    return k is not None and _own_step(entry.instructions, roots_of, k, start, end)
+  def between(k: int | None, start: int, end: int, *also: int) -> bool:
+    return k is not None and _own_step(entry.instructions, roots_of, {k, *also}, start, end)
 
   def updated(b: tuple[str, int], size: int) -> bool:
     """Whether ``b`` is the buffer its one reader updates and returns (a scatter's zeros)."""
     return {in_place.get(r) for r in read_by[b]} == {size}
 
+  def output_roots(name: str) -> list[int | None]:
+    """The equation of each buffer ``name`` makes."""
+    sizes_of, roots = held[name], roots_of[name]
+    if len(roots) != len(sizes_of):  # one value and a library call's scratch, or a tuple root
+      return roots[:1] + [None] * (len(sizes_of) - 1)
+    return roots
+
+  # Buffers still to come per equation: XLA:CPU computes a value that one product reads
+  # transposed twice, once in that product's layout (the Equinox step's attention).
+  to_come = collections.Counter(k for name in roots_of for k in output_roots(name))
   for at, instruction in enumerate(entry.instructions):
     if instruction.opcode == "parameter":
       index = int(_PARAMETER.search(instruction.line).group(1))
@@ -209,9 +224,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
       continue
     if instruction.name not in roots_of:
       continue
-    sizes_of, roots = held[instruction.name], roots_of[instruction.name]
-    if len(roots) != len(sizes_of):  # one value and a library call's scratch, or a tuple root
-      roots = roots[:1] + [None] * (len(sizes_of) - 1)
+    sizes_of, roots = held[instruction.name], output_roots(instruction.name)
     owner = own[instruction.name]
     for j, (k, size) in enumerate(zip(roots, sizes_of)):
       b = (instruction.name, j)
@@ -221,14 +234,20 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
       if b in outputs:
         readers = readers | {None}
         reader = None
+      to_come[k] -= 1
       if k is not None and readers == {k} and between(k, at, end):
         # A step of its own equation's work that only the equation's next instructions
         # read (XLA:GPU's split-K partial products, summed by a reduction after them).
         scratch[k] = scratch.get(k, 0) + size
         continue
+      if k is not None and k not in sizes and to_come[k] and between(reader, at, end, k):
+        # The value in one reader's layout, made for it alone; the value is made later.
+        scratch[reader] = scratch.get(reader, 0) + size
+        continue
       if k is not None and k not in sizes:
         sizes[k] = size
         position[k] = at
+        read_for.setdefault(k, set()).update(readers - {k, None})
         continue
       holder = owner if k is None else k
       if not readers:
@@ -246,7 +265,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
           scratch[reader] = scratch.get(reader, 0) + size
       elif holder in sizes:
         sizes[holder] += size
-        held_for.setdefault(holder, set()).update(readers - {holder, None})
+        read_for.setdefault(holder, set()).update(readers - {holder, None})
   # Each is held until the first value made after its last reader runs (XLA:CPU runs a
   # pool gradient's argmax with the forward pool, under the gradient's name).
   by_position = sorted((at, k) for k, at in position.items())
@@ -259,19 +278,19 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
     scratch,
     position,
     tuple(arguments),
-    held_for,
+    read_for,
     constants,
     frozenset(hoisted),
   )
 
 
 def _own_step(
-  instructions: list[Instruction], roots_of: dict, k: int, start: int, end: int
+  instructions: list[Instruction], roots_of: dict, ks: set[int], start: int, end: int
 ) -> bool:
-  """Whether nothing but equation ``k``'s own or unnamed work runs between ``start`` and
-  ``end``: a buffer it holds across another equation's values is no scratch."""
+  """Whether nothing but equations ``ks``' own or unnamed work runs between ``start`` and
+  ``end``: a buffer held across other equations' values is no scratch."""
   return all(
-    set(roots_of[i.name]) <= {k, None}
+    set(roots_of[i.name]) <= {*ks, None}
     for i in instructions[start + 1 : end]
     if i.opcode not in _NO_BUFFER
   )

@@ -162,7 +162,7 @@ def build_program(
           exported[u].add(v)
   node_of = {k: n_in + g for g, eqn_ids in enumerate(groups) for k in eqn_ids}
   if compiled is not None:
-    _add_held_reads(edges, node_of, compiled.held_for)
+    _add_compiled_reads(edges, node_of, compiled.read_for)
   # XLA recomputes a duplicated value inside each reader's fusion: its operands, not
   # the value, stay live until the last reader. In root order, so that the sources of a
   # chain of duplicated values reach the readers at its end.
@@ -309,20 +309,24 @@ def build_program(
   )
 
 
-def _add_held_reads(
-  edges: set[tuple[int, int]], node_of: dict[int, int], held_for: dict[int, set[int]]
+def _add_compiled_reads(
+  edges: set[tuple[int, int]], node_of: dict[int, int], read_for: dict[int, set[int]]
 ) -> None:
-  """Edges from each node whose equation holds a buffer for later equations to those
-  equations' nodes, so that the node stays live until they run: XLA:GPU computes the
-  zeros that a max pool's gradient scatters into beside the forward pass's ReLU, and
-  holds them to the backward pass (4 of the VGG16 step's 45 MiB on H100). Only readers
-  after the equation in the program's order: an edge must not reorder the graph or close
-  a cycle."""
+  """Edges from each kept equation's node to the nodes of the equations whose compiled
+  instructions read its buffers, so that the node stays live until they run. XLA fuses
+  cheap producers into their readers: XLA:CPU and XLA:TPU recompute a batch norm's
+  ``x - mean`` (and its ReLU) from the convolution's output inside later fusions, those
+  of the backward pass too, and so hold that output until then (the ResNet step on
+  XLA:CPU, and the Flax CNN's on TPU v5e: 7 and 16 MiB that the jaxpr's reads do not
+  show). XLA:GPU computes the zeros that a max pool's gradient scatters into beside the
+  forward pass's ReLU and holds them to the backward pass (4 of the VGG16 step's 45 MiB
+  on H100). Only readers after the equation in the program's order: an edge must not
+  reorder the graph or close a cycle."""
   reach = nx.DiGraph(edges)
-  for k, later in sorted(held_for.items()):
+  for k, later in sorted(read_for.items()):
     u = node_of[k]
-    for w in sorted(node_of[r] for r in later if r > k):
-      if u != w and not (w in reach and u in reach and nx.has_path(reach, w, u)):
+    for w in sorted({node_of[r] for r in later if r > k} - {u}):
+      if (u, w) not in edges and not (w in reach and u in reach and nx.has_path(reach, w, u)):
         edges.add((u, w))
         reach.add_edge(u, w)
 
