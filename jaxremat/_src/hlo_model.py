@@ -213,8 +213,8 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
       return roots[:1] + [None] * (len(sizes_of) - 1)
     return roots
 
-  # Buffers still to come per equation: XLA:CPU computes a value that one product reads
-  # transposed twice, once in that product's layout (the Equinox step's attention).
+  # The buffers each equation has yet to make: XLA:CPU may make a value twice, once in
+  # the layout of the one product that reads it next (the Equinox step's attention).
   to_come = collections.Counter(k for name in roots_of for k in output_roots(name))
   for at, instruction in enumerate(entry.instructions):
     if instruction.opcode == "parameter":
