@@ -460,8 +460,12 @@ def test_the_compiler_model_predicts_steps_no_rule_was_written_for(name):
   assert abs(predicted - measured.peak_bytes) <= 0.10 * measured.peak_bytes
 
 
+def max_pool(x):
+  return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+
+
 def max_pool_loss(x):
-  y = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+  y = max_pool(x)
   return jnp.sum(y * y)
 
 
@@ -512,9 +516,7 @@ def pooled_cnn_loss(kernels, x):
     x = jax.lax.conv_general_dilated(
       x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
     )
-    x = jax.lax.reduce_window(
-      jax.nn.relu(x), -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"
-    )
+    x = max_pool(jax.nn.relu(x))
   return jnp.mean(x**2)
 
 
