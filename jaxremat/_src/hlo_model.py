@@ -120,15 +120,16 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   an equation's first buffer where the equation makes another after it, in the layout of
   the one reader that runs right after it (XLA:CPU computes a value that one product
   reads transposed twice, once in that layout). One that its equation makes to hold
-  across other equations' work is more of that equation's value (XLA:GPU computes the
-  zeros that a max pool's gradient scatters into once, beside the forward pass's ReLU,
-  and holds them to the backward pass). A named buffer that only its
-  own equation's next instructions read (split-K partial products) is that equation's
-  scratch. A buffer that nothing reads is its instruction's working memory. An unnamed
-  buffer made from constants alone (a max pool gradient's zeros) XLA makes before the
-  program runs: it is held for its last reader, or it is the output of the one reader
-  that updates it in place. Other unnamed buffers read by several equations are left
-  out: their lifetimes are not known (XLA:CPU drops the names of bfloat16 arithmetic).
+  across other equations' work is more of that equation's value. A named buffer that
+  only its own equation's next instructions read (split-K partial products) is that
+  equation's scratch. A buffer that nothing reads is its instruction's working memory. A
+  buffer made from constants alone, whichever instruction makes it (a max pool
+  gradient's zeros; on XLA:GPU the zeros of every ReLU's gradient, a second output of the
+  forward ReLU's fusion), is no equation's value: XLA makes it once, wherever a plan
+  remakes its maker, and holds it for its last reader, or it is the output of the one
+  reader that updates it in place. Other unnamed buffers read by several equations are
+  left out: their lifetimes are not known (XLA:CPU drops the names of bfloat16
+  arithmetic).
   """
   parts = computations(hlo)
   entry = next(c for c in parts.values() if c.is_entry)
@@ -141,7 +142,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   outputs: set[tuple[str, int]] = set()
   in_place: dict[str, int] = {}  # instruction that updates an operand's buffer -> its bytes
   constant_names: set[str] = set()
-  from_constants: set[str] = set()  # instructions that read nothing but constants
+  from_constants: dict[str, set[int]] = {}  # instruction -> its outputs made from constants
   for at, instruction in enumerate(entry.instructions):
     name, operands = instruction.name, instruction.operands
     if instruction.opcode in ("parameter", "constant"):
@@ -168,7 +169,9 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
       if next((i for i in body if i.is_root), instruction).opcode in _IN_PLACE:
         in_place[name] = sum(sizes_of)
       if all(o in constant_names for o in operands):
-        from_constants.add(name)
+        from_constants[name] = set(range(len(sizes_of)))
+      elif instruction.opcode == "fusion" and body:
+        from_constants[name] = _constant_outputs(body)
       for o in operands:
         for b in elements.get(o, []):
           read_by.setdefault(b, []).append(name)
@@ -235,6 +238,13 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
         readers = readers | {None}
         reader = None
       to_come[k] -= 1
+      if j in from_constants.get(instruction.name, ()) and readers - {None}:
+        # Zeros or indices made from constants alone: held for their last reader.
+        if reader is not None and updated(b, size):
+          hoisted.add(reader)
+        else:
+          early.append((size, end))
+        continue
       if k is not None and readers == {k} and between(k, at, end):
         # A step of its own equation's work that only the equation's next instructions
         # read (XLA:GPU's split-K partial products, summed by a reduction after them).
@@ -253,13 +263,6 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
       if not readers:
         if holder is not None:  # what the instruction works in, read by nothing after it
           scratch[holder] = scratch.get(holder, 0) + size
-      elif holder is None and instruction.name in from_constants and readers != {None}:
-        # Zeros or indices made from constants alone: XLA makes them before the program
-        # runs and holds them for their last reader (a max pool gradient's zeros, iotas).
-        if reader is not None and updated(b, size):
-          hoisted.add(reader)
-        else:
-          early.append((size, end))
       elif reader is not None and (holder not in sizes or between(reader, at, end)):
         if not updated(b, size):  # else it is its reader's output
           scratch[reader] = scratch.get(reader, 0) + size
@@ -306,6 +309,26 @@ def _fusion_roots(body: list[Instruction]) -> list[int | None]:
   outputs = [by_name.get(name) for name in root.operands] if root.opcode == "tuple" else [root]
   roots = [_value_scope(i, by_name) for i in outputs]
   return roots if any(k is not None for k in roots) else []
+
+
+def _constant_outputs(body: list[Instruction]) -> set[int]:
+  """The outputs of a fused computation that read none of its parameters."""
+  by_name = {i.name: i for i in body}
+  root = next((i for i in body if i.is_root), None)
+  if root is None:
+    return set()
+  outputs = root.operands if root.opcode == "tuple" else [root.name]
+  reads_parameter: dict[str, bool] = {}
+
+  def reads(name: str) -> bool:
+    if name not in reads_parameter:
+      instruction = by_name.get(name)
+      reads_parameter[name] = instruction is None or (
+        instruction.opcode == "parameter" or any(map(reads, instruction.operands))
+      )
+    return reads_parameter[name]
+
+  return {j for j, name in enumerate(outputs) if not reads(name)}
 
 
 def _value_scope(instruction: Instruction | None, by_name: dict[str, Instruction]) -> int | None:
