@@ -601,6 +601,11 @@ def test_the_compiler_model_sizes_values_as_the_target_lays_them_out():
   assert values.read_for == {0: {1, 2}, 1: {2}, 2: set()} and values.constants == {}
 
 
+def scope(k: int, op: str) -> str:
+  """The metadata of an instruction that `hlo_model` reads as equation ``k``'s."""
+  return f'metadata={{op_name="jit(f)/jaxremat_eqn{k}/{op}"}}'
+
+
 def test_zeros_that_a_fusion_makes_from_constants_are_held_until_their_last_reader():
   """XLA:GPU makes the zeros that the backward pass selects or scatters into as a second
   output of the forward ReLU's fusion, and holds them to the backward pass. They read no
@@ -609,9 +614,6 @@ def test_zeros_that_a_fusion_makes_from_constants_are_held_until_their_last_read
   the copy that XLA makes of them (`values_in_hlo` on a GPU-style program). On the VGG16
   example for H100, counted as the ReLUs' values they put a plan at 0.7 8 MB under."""
   from jaxremat._src import hlo_model
-
-  def scope(k: int, op: str) -> str:
-    return f'metadata={{op_name="jit(f)/jaxremat_eqn{k}/{op}"}}'
 
   hlo = "\n".join(
     [
@@ -651,6 +653,61 @@ def test_zeros_that_a_fusion_makes_from_constants_are_held_until_their_last_read
   assert graph.nodes[add].attrs["constant_bytes"] == array
 
 
+def test_indices_that_no_equation_makes_are_held_from_the_start_until_their_one_reader():
+  """XLA:GPU runs a max pool's gradient as a scatter at argmax indices, which it makes
+  with a reduction of its own, named after no equation, from the pool's input in the
+  forward pass: they are held across the rest of the forward pass until the scatter
+  reads them. Counted as the scatter's scratch (live only while it runs), they were
+  missing from the U-Net example's peak on H100 (x0.948 of XLA's) and from its plans (at
+  0.5, one predicted 5.91 MB where XLA measured 7.27). A plan that moves the scatter does
+  not move them: they are held from the start until their reader, as constants are
+  (`values_in_hlo` on a GPU-style program). An unnamed copy of a value in another
+  layout, XLA:CPU's transposed activations for the backward pass, stands for a value
+  that the graph holds, and stays its reader's scratch."""
+  from jaxremat._src import hlo_model
+
+  hlo = "\n".join(
+    [
+      "%argmax (p: f32[64,128]) -> (f32[64,128], s32[64,128]) {",
+      "  %p = f32[64,128]{1,0} parameter(0)",
+      "  %i = s32[64,128]{1,0} iota(), iota_dimension=1",
+      "  %c = f32[] constant(-inf)",
+      "  %m = s32[] constant(-1)",
+      "  ROOT %r = (f32[64,128]{1,0}, s32[64,128]{1,0}) reduce-window(%p, %i, %c, %m), "
+      "window={size=1x1}, to_apply=%max",
+      "}",
+      "",
+      "%layout (p: f32[64,128]) -> f32[128,64] {",
+      "  %p = f32[64,128]{1,0} parameter(0)",
+      "  ROOT %t = f32[128,64]{1,0} transpose(%p), dimensions={1,0}",
+      "}",
+      "",
+      "ENTRY %main (x: f32[64,128]) -> f32[64,128] {",
+      "  %x = f32[64,128]{1,0} parameter(0)",
+      "  %f = (f32[64,128]{1,0}, s32[64,128]{1,0}) fusion(%x), kind=kLoop, calls=%argmax",
+      "  %indices = s32[64,128]{1,0} get-tuple-element(%f), index=1",
+      "  %xt = f32[128,64]{1,0} fusion(%x), kind=kLoop, calls=%layout",
+      f"  %t = f32[64,128]{{1,0}} tanh(%x), {scope(0, 'tanh')}",
+      f"  %e = f32[64,128]{{1,0}} exponential(%t), {scope(1, 'exp')}",
+      f"  ROOT %s = f32[64,128]{{1,0}} custom-call(%e, %indices, %xt), {scope(2, 'add')}",
+      "}",
+    ]
+  )
+  values = hlo_model.values_in_hlo(hlo, 1)
+  array = 64 * 128 * 4
+  assert values.kept == {0, 1, 2}
+  assert values.constants == {2: array}  # the indices, held until the first value after the add
+  assert values.scratch == {2: array}  # the transposed copy, only while the add runs
+  # In the graph the indices count from the start until the add, its peak included.
+  closed = jax.make_jaxpr(lambda x: jnp.exp(jnp.tanh(x)) + x)(jnp.ones((64, 128)))
+  graph = build_program(closed, costs_mode="shape", compiled=values).graph
+  assert graph.nodes[3].attrs["constant_bytes"] == array
+  without = build_program(
+    closed, costs_mode="shape", compiled=dataclasses.replace(values, constants={})
+  ).graph
+  assert xla_accounted_peak_bytes(graph) == xla_accounted_peak_bytes(without) + array
+
+
 def test_a_value_that_a_later_fusion_reads_stays_live_until_that_fusion_runs():
   """XLA fuses cheap producers into each reader: the fusion of a later equation may read
   a value that, in the jaxpr, only a producer it recomputes reads (XLA:TPU recomputes a
@@ -658,9 +715,6 @@ def test_a_value_that_a_later_fusion_reads_stays_live_until_that_fusion_runs():
   compiled program's operands keep that value live until the fusion runs. A value XLA
   makes once in the one reader's layout and once as itself is that reader's scratch."""
   from jaxremat._src import hlo_model
-
-  def scope(k: int, op: str) -> str:
-    return f'metadata={{op_name="jit(f)/jaxremat_eqn{k}/{op}"}}'
 
   hlo = "\n".join(
     [
