@@ -14,12 +14,13 @@ from conftest import SHARED_GRAPHS, shared_graph
 
 import jaxremat
 from jaxremat import InfeasibleBudgetError, NoScheduleFoundError, RematGraph, simulate
+from jaxremat._src.order import memory_minimizing_order, order_peak_bytes
 from jaxremat._src.segments import forward_nodes, segment_schedule
 from jaxremat._src.solvers.chen import checkpoint_candidates, segment_computes, sqrtn_checkpoints
 from jaxremat._src.solvers.cover import cover_computes, improve_computes
 from jaxremat._src.solvers.exact_common import is_staged
 from jaxremat._src.solvers.griewank import _reversal, revolve_computes
-from jaxremat._src.solvers.reorder import memory_minimizing_order, order_peak_bytes, resolve_order
+from jaxremat._src.solvers.reorder import resolve_order
 from jaxremat._src.solvers.replay import evaluate, resequence
 from jaxremat._src.solvers.twremat import tree_decomposition, twremat_computes
 

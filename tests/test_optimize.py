@@ -199,7 +199,7 @@ def test_the_fence_that_measured_lower_is_compiled_first_thereafter(tmp_path):
   its recomputations fenced; the step's next plans get the one XLA measured lower first."""
   step, args = _small_step()
   f = jaxremat.optimize(
-    step, budget=0.36, time_limit=30, max_replans=2, use_cache=False, verify=False, progress=False
+    step, budget=0.55, time_limit=30, max_replans=2, use_cache=False, verify=False, progress=False
   )
   with pytest.raises(jaxremat.BudgetNotMetError) as info:
     f(*args)
@@ -219,6 +219,42 @@ def test_a_plan_compiled_already_is_not_compiled_again():
   compiled = len(loop.tried)
   assert loop.try_schedule(schedule, "solve") is first
   assert len(loop.tried) == compiled and loop.solves == 2
+
+
+def test_the_policys_plan_is_compiled_once_even_where_it_misses():
+  """The policy's plan is a candidate beside a plan that met the budget already: one
+  compile, not a second one with the other fence, even where XLA measures it over."""
+  loop = _small_loops(0.1, 60.0)()
+  schedule = jaxremat.solve(loop.solver_graph, 1.0, "dots-saveable")
+  assert len(set(schedule.computes)) < len(schedule.computes)  # it recomputes
+  tried = loop.try_schedule(schedule, "policy")
+  assert not tried.met
+  assert [t.attempt.origin for t in loop.tried] == ["policy"]
+
+
+def test_the_optimized_step_runs_the_executable_the_planner_compiled(tmp_path):
+  """XLA compiles the optimized step once per plan: verification and the calls run the
+  executable the planner measured (which donates as the step does), not a compile of
+  their own."""
+  step, args = _small_step()
+  expected = jax.jit(step)(*args)
+  compiled = []
+
+  def count(event, duration_s, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration" and "emitted" in kwargs["fun_name"]:
+      compiled.append(duration_s)
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    f = jaxremat.optimize(step, budget=0.7, time_limit=30, cache_dir=tmp_path, progress=False)
+    plan = f.plan(*args)
+    assert len(compiled) == len(plan.attempts) and plan.verification.outputs_match
+    got = f(*args)
+    assert len(compiled) == len(plan.attempts)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert plan.compiled.executable is not None
+  assert_trees_allclose(got, expected)
 
 
 def test_the_least_peak_plan_is_compiled_only_below_every_plan_compiled():
@@ -411,8 +447,7 @@ def test_the_dots_saveable_plan_is_compiled_beside_a_plan_that_met_the_budget(tm
     for i in range(4)
   ]
   args = (params, jax.random.normal(key, (8, 16, 16, width)))
-  f = jaxremat.optimize(
-    jax.value_and_grad(loss),
+  options = dict(
     budget=0.8,
     time_limit=30,
     cache_dir=tmp_path,
@@ -420,7 +455,7 @@ def test_the_dots_saveable_plan_is_compiled_beside_a_plan_that_met_the_budget(tm
     verify=False,
     solver_options={"heuristics": ("cover",), "exact": None},
   )
-  plan = f.plan(*args)
+  plan = jaxremat.optimize(jax.value_and_grad(loss), **options).plan(*args)
   assert [a.origin for a in plan.attempts].count("policy") == 1
   policy = next(a for a in plan.attempts if a.origin == "policy")
   assert policy.solver == "dots-saveable" and policy.flops is not None
@@ -432,3 +467,6 @@ def test_the_dots_saveable_plan_is_compiled_beside_a_plan_that_met_the_budget(tm
     and (a.measured_peak_bytes, a.flops) != (plan.measured_peak_bytes, plan.measurement.flops)
     for a in met
   )
+  # The plan chosen over the policy's comes from the cache next time, compiled once.
+  cached = jaxremat.optimize(jax.value_and_grad(loss), **options).plan(*args)
+  assert [a.origin for a in cached.attempts] == ["cache"]

@@ -13,6 +13,7 @@ from backend import FACTS, assert_trees_allclose
 import examples
 import jaxremat
 from jaxremat._src import compat
+from jaxremat._src.demo import make_mlp_step
 from jaxremat._src.program import build_program
 from jaxremat._src.xla_memory import device_peak_bytes, live_bytes_within, xla_accounted_peak_bytes
 
@@ -25,8 +26,9 @@ def check_invariants(p: jaxremat.Program) -> None:
   n_in = len(jaxpr.invars) + len(jaxpr.constvars)
   assert g.inputs == tuple(range(n_in))
   assert len(p.node_eqns) == len(p.node_outvars) == g.n
-  # Acyclic, and the jaxpr order is a topological order.
-  assert g.order == tuple(range(n_in, g.n))
+  # Acyclic, the jaxpr order is a topological order, and so is the graph's order (the
+  # rules model's holds least, `order.memory_minimizing_order`).
+  assert sorted(g.order) == list(range(n_in, g.n))
   assert all(u < v for u, v in g.edges)
   assert nx.is_directed_acyclic_graph(nx.DiGraph(g.edges))
   # Every equation in exactly one node, indices ascending.
@@ -44,8 +46,8 @@ def check_invariants(p: jaxremat.Program) -> None:
     assert node.attrs["primitive"] == "workspace" and p.node_outvars[w] == ()
     assert g.succs[w] == (w + 1,) and g.preds[w] == () and node.cost == 0
     assert node.mem == g.nodes[w + 1].attrs["workspace_bytes"] > 0
-  # order is jaxpr order of the nodes (by their last equation); acyclic by validation.
-  computed = [v for v in g.order if p.node_eqns[v]]
+  # Node ids are in the jaxpr order of their last equation.
+  computed = [v for v in range(n_in, g.n) if p.node_eqns[v]]
   assert [p.node_eqns[v][-1] for v in computed] == sorted(p.node_eqns[v][-1] for v in computed)
   producer = {}
   for v, outs in enumerate(p.node_outvars):
@@ -275,6 +277,21 @@ def test_fold_switch_and_xla_agreement_mlp():
   assert pred_folded < pred_unfolded
   assert abs(pred_folded - measured) <= 0.10 * measured, (pred_folded, measured)
   assert_trees_allclose(folded(*args), fn(*args))
+
+
+def test_the_rules_model_runs_the_step_in_an_order_that_holds_little():
+  """XLA's scheduler orders a step to hold little. In the jaxpr's order, an SGD step holds
+  every layer's gradient until the updates at its end (x1.5 of XLA:CPU's peak on this
+  MLP); the rules model's graph runs in the order that holds least, as XLA runs it."""
+  step, args = make_mlp_step(depth=8, width=128, batch=1024)
+  program = trace_program(step, *args)
+  graph = program.graph
+  measured = jaxremat.measure(step, *args, runs=0).peak_bytes
+  predicted = xla_accounted_peak_bytes(graph)
+  assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
+  in_jaxpr_order = dataclasses.replace(graph, order=tuple(sorted(graph.order)))
+  assert xla_accounted_peak_bytes(in_jaxpr_order) > 1.3 * measured
+  assert_trees_allclose(program(*args), step(*args))
 
 
 def test_xla_accounted_peak_charges_outputs_from_the_start():
@@ -545,18 +562,13 @@ def test_max_pool_gradient_buffers_and_xla_agreement():
 
 def test_the_compiler_says_which_values_keep_a_buffer():
   """``model="compiler"`` groups equations by what XLA's optimized HLO materializes
-  (`hlo_model`), not by rules fitted to the examples. On this step, which no rule was
-  fitted to, the rules overstate XLA's peak by half; the compiler's grouping is within
-  10% of it."""
-  from jaxremat._src.demo import make_mlp_step
-
+  (`hlo_model`), not by rules fitted to the examples, and orders them as XLA runs them:
+  within 10% of XLA's peak on a step no rule was fitted to."""
   step, args = make_mlp_step(depth=8, width=128, batch=1024)
   measured = jaxremat.measure(step, *args, runs=0).peak_bytes
   rules = jaxremat.trace_program(step, *args, costs="shape", model="rules")
   compiled = jaxremat.trace_program(step, *args, costs="shape", model="compiler")
   assert rules.graph.meta["model"] == "rules" and compiled.graph.meta["model"] == "compiler"
-  if FACTS.platform == "cpu":  # the rules describe XLA:CPU alone
-    assert xla_accounted_peak_bytes(rules.graph) > 1.3 * measured
   assert abs(xla_accounted_peak_bytes(compiled.graph) - measured) <= 0.1 * measured
   # The same equations, grouped otherwise; each still in exactly one node.
   assert sorted(k for g in compiled.node_eqns for k in g) == list(range(len(compiled.jaxpr.eqns)))

@@ -127,6 +127,41 @@ def measure(
       f"runs={runs!r}, but target {target.name!r} has no devices on this machine: pass "
       "runs=0 to compile and analyse only."
     )
+  compiled, measured = compile_and_measure(
+    fn, *args, donate_argnums=donate_argnums, target=target, **kwargs
+  )
+  if not runs:
+    return measured
+  donated = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
+  times = []
+  for k in range(warmup + runs):
+    call_args = fresh_donated(args, donated)
+    jax.block_until_ready(call_args)
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*call_args, **kwargs))
+    if k >= warmup:
+      times.append(time.perf_counter() - start)
+  stats = jax.devices()[0].memory_stats()
+  device_peak = stats.get("peak_bytes_in_use") if stats else None
+  return dataclasses.replace(
+    measured,
+    wall_time_s=statistics.median(times),
+    wall_times_s=tuple(times),
+    device_peak_bytes=None if device_peak is None else int(device_peak),
+  )
+
+
+def compile_and_measure(
+  fn: Callable[..., Any],
+  *args: Any,
+  donate_argnums: int | Sequence[int] = (),
+  target: str | Target | None = None,
+  **kwargs: Any,
+) -> tuple[Any, Measurement]:
+  """`measure` with ``runs=0``, and the executable it compiled besides (``jax.jit``'s
+  ``Compiled``, runnable where the target has devices here): a caller that runs the step
+  later runs it without compiling it again."""
+  target = get_target(target)
   target.devices()  # describe a deviceless target's devices outside the compile time
   start = time.perf_counter()
   if target == get_target():
@@ -136,24 +171,6 @@ def measure(
   compile_time_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
   costs = compat.hlo_cost_analysis(compiled)
-  donated = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
-
-  def fresh_args() -> list[Any]:
-    return [jax.tree.map(lambda a: a.copy(), a) if i in donated else a for i, a in enumerate(args)]
-
-  times = []
-  calls = warmup + runs if runs else 0
-  for k in range(calls):
-    call_args = fresh_args()
-    jax.block_until_ready(call_args)
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*call_args, **kwargs))
-    if k >= warmup:
-      times.append(time.perf_counter() - start)
-  device_peak = None
-  if calls:
-    stats = jax.devices()[0].memory_stats()
-    device_peak = stats.get("peak_bytes_in_use") if stats else None
 
   def cost(key: str) -> float | None:
     return float(costs[key]) if key in costs else None
@@ -164,7 +181,7 @@ def measure(
   if flops is not None and library_flops and not target.counts_library_convolutions():
     flops += library_flops
 
-  return Measurement(
+  return compiled, Measurement(
     backend=target.platform,
     target=target.name,
     device_kind=target.device_kind,
@@ -178,11 +195,17 @@ def measure(
     transcendentals=cost("transcendentals"),
     bytes_accessed=cost("bytes accessed"),
     compile_time_s=compile_time_s,
-    wall_time_s=statistics.median(times) if times else None,
-    wall_times_s=tuple(times),
-    device_peak_bytes=None if device_peak is None else int(device_peak),
+    wall_time_s=None,
+    wall_times_s=(),
+    device_peak_bytes=None,
     hlo_text=hlo_text,
   )
+
+
+def fresh_donated(args: Sequence[Any], donated: set[int]) -> list[Any]:
+  """``args`` with a copy of each donated one: a call that donates them leaves the
+  caller's arrays alive."""
+  return [jax.tree.map(lambda a: a.copy(), a) if i in donated else a for i, a in enumerate(args)]
 
 
 # The share of the GPU that the process running a step alone preallocates: 12 GiB of an

@@ -32,7 +32,7 @@ from jaxremat._src.errors import (
   VerificationError,
 )
 from jaxremat._src.graph import RematGraph
-from jaxremat._src.measure import Measurement, measure
+from jaxremat._src.measure import Measurement, compile_and_measure, measure
 from jaxremat._src.minimize import minimize_peak
 from jaxremat._src.plan_cache import PlanCache, fingerprint
 from jaxremat._src.program import Program
@@ -112,15 +112,23 @@ class CompiledStep:
     outputs: which output leaves come from the compiled program.
     jitted: the flat emitted step under `jax.jit`, with the step's donation.
     emitted: the emitted step (`jaxremat.emit`), not jitted.
+    executable: ``jitted`` as the planner compiled and measured it, where it runs on this
+      machine's default device (None elsewhere): calls run it, not a second compile of
+      ``jitted`` (12 s of the GPT example's first call on XLA:CPU). Calls under a JAX
+      transformation (an enclosing `jax.jit`) trace ``jitted``.
   """
 
   signature: CallSignature
   outputs: OutputSplit
   jitted: Callable[..., Any] = dataclasses.field(repr=False)
   emitted: Callable[..., Any] = dataclasses.field(repr=False)
+  executable: Any = dataclasses.field(default=None, repr=False)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    return self.outputs.merge(self.jitted(*self.signature.dynamic_leaves(args, kwargs)))
+    leaves = self.signature.dynamic_leaves(args, kwargs)
+    traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
+    run = self.jitted if self.executable is None or traced else self.executable
+    return self.outputs.merge(run(*leaves))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +251,8 @@ def make_plan(
   cached = cache.load(keys.plan, program.graph) if cache else None
   if cached is not None:
     loop.try_schedule(cached, "cache")
+  # A cached plan that meets the budget was chosen over the policy's when it was made.
+  policy_tried = loop.met
   if not loop.met and budget_bytes >= baseline.peak_bytes:
     # The original fits: no recomputation is the cheapest plan, whatever the model says.
     no_remat = simulate(program.graph, baseline_schedule(program.graph)).peak_bytes
@@ -255,7 +265,7 @@ def make_plan(
     loop.run_segments()
   # The model proves the budget infeasible, or no plan met it: XLA may hold less.
   loop.try_least_peak()
-  if loop.met and opts.solver == "auto":
+  if loop.met and opts.solver == "auto" and not policy_tried:
     loop.try_dots_saveable()
   if not loop.met and cache:
     # A plan XLA measured within this budget before (a retry at a reported peak).
@@ -478,7 +488,7 @@ class _Loop:
     facts = backend_facts(opts.target.platform)
     self.pins = (facts.pin_first, "recomputations" if facts.pin_first == "all" else "all")
     # Where `jax.checkpoint`'s own fence holds, the policy's plan is emitted as it emits
-    # the policy (`emit`'s ``pin="checkpoint"``), and pinned where that misses.
+    # the policy (`emit`'s ``pin="checkpoint"``).
     self.barrier_fence = facts.fence == "barrier"
     self.pins_compared = False
     self.least_peak_tried = False
@@ -527,15 +537,16 @@ class _Loop:
     it. Retries do not count as solves. The first plan of the MobileNet example at 0.7
     measured lower pinned on XLA:CPU (x0.428 of the peak against x0.796) and higher on
     H100 (x0.783 against x0.705); of VGG16 on TPU v5e, x0.905 pinned and x0.737 not
-    (benchmarks/pinning.py). Where the target keeps `jax.checkpoint`'s barrier, the
-    policy's plan is compiled as `jax.checkpoint` compiles the policy (``pin="checkpoint"``)
-    first, then pinned. A plan in an order compiled already is not compiled again: a
-    replan may return the plan before it (the ConvMixer step for TPU v5e at 0.7, at a
-    minute per compile; the same plan in another order is compiled again).
+    (benchmarks/pinning.py). The policy's plan is a candidate beside a plan that met the
+    budget already (`try_dots_saveable`), compiled once: where the target keeps
+    `jax.checkpoint`'s barrier, as `jax.checkpoint` compiles the policy
+    (``pin="checkpoint"``). On the GPT example on XLA:CPU a second fence cost 5 s of the
+    first call and measured 63.4 MB as the first had (budget 54.5). A plan in an order
+    compiled already is not compiled again: a replan may return the plan before it (the
+    ConvMixer step for TPU v5e at 0.7, at a minute per compile; the same plan in another
+    order is compiled again).
     """
     recomputes = False  # a solved plan that recomputes: both fences apply
-    as_checkpoint = origin == "policy" and self.barrier_fence
-    pins = ("checkpoint", "all") if as_checkpoint else self.pins
     if origin in ("solve", "policy"):
       self.solves += origin == "solve"
       schedule = self.resequenced(schedule)
@@ -545,18 +556,20 @@ class _Loop:
         return min(same, key=lambda t: t.compiled.peak_bytes)
       recomputes = len(set(computes)) < len(computes)
       if recomputes:
-        schedule = schedule.replace(stats={**schedule.stats, "pin": pins[0]})
+        as_policy = origin == "policy" and self.barrier_fence
+        pin = "checkpoint" if as_policy else self.pins[0]
+        schedule = schedule.replace(stats={**schedule.stats, "pin": pin})
     tried = self._measure(schedule, origin)
-    if tried.met or not recomputes or self.deadline.left_s() <= 0:
+    if tried.met or not recomputes or origin == "policy" or self.deadline.left_s() <= 0:
       return tried
     attempt = tried.attempt
     beyond_model = attempt.measured_peak_bytes - attempt.predicted_peak_bytes
     if self.pins_compared and beyond_model <= self.baseline_gap_bytes and not self.undone(attempt):
       return tried
-    other = self._measure(schedule.replace(stats={**schedule.stats, "pin": pins[1]}), "retry")
-    if not as_checkpoint and not self.pins_compared:
+    other = self._measure(schedule.replace(stats={**schedule.stats, "pin": self.pins[1]}), "retry")
+    if not self.pins_compared:
       if other.compiled.peak_bytes < tried.compiled.peak_bytes:
-        self.pins = pins[::-1]
+        self.pins = self.pins[::-1]
       self.pins_compared = True
     return min(tried, other, key=lambda t: t.compiled.peak_bytes)
 
@@ -787,8 +800,12 @@ def _compile(
   emitted = emit(program, schedule, fence=opts.fence, pin=pin, backend=target.platform)
   flat = FlatStep(emitted, signature)
   donated = signature.donated_leaves
-  measured = measure(flat, *signature.specs, runs=0, donate_argnums=donated, target=target)
-  step = CompiledStep(signature, program.outputs, jax.jit(flat, donate_argnums=donated), emitted)
+  compiled, measured = compile_and_measure(
+    flat, *signature.specs, donate_argnums=donated, target=target
+  )
+  jitted = jax.jit(flat, donate_argnums=donated)
+  runs_here = compiled if target == get_target() else None
+  step = CompiledStep(signature, program.outputs, jitted, emitted, runs_here)
   return _Compiled(step, measured)
 
 
@@ -818,6 +835,7 @@ def _verify(
     emitted_measurement=best.compiled.measurement,
     donate_argnums=signature.donated_leaves,
     target=opts.target,
+    emitted_executable=best.compiled.step.executable,
   )
   if not v.outputs_match:
     raise VerificationError(

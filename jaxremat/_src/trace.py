@@ -84,7 +84,9 @@ def trace_program(
       compiler's fusion facts group the equations and its cost analysis costs them
       (compiled deviceless, with its published peak rates, where it has no devices here).
     model: which equations keep a buffer, by ``"rules"`` (fusion rules measured on
-      XLA:CPU) or ``"compiler"`` (the target compiler's optimized HLO of the step, a
+      XLA:CPU, in the order that holds least, `order.memory_minimizing_order`, as XLA's
+      scheduler orders a step to hold little) or ``"compiler"`` (the target compiler's
+      optimized HLO of the step, a
       compile that also gives `Program.baseline`, `hlo_model`: which values it keeps,
       their bytes as the target lays them out, its scratch copies, and its schedule's
       order as the graph's); ``"auto"``: the rules on XLA:CPU, for which they were

@@ -24,7 +24,7 @@ from jaxremat._src import compat
 from jaxremat._src.backends import backend_facts
 from jaxremat._src.emit import EXPENSIVE_PRIMITIVES, live_computes
 from jaxremat._src.hlo_text import count_hlo_ops
-from jaxremat._src.measure import Measurement, measure
+from jaxremat._src.measure import Measurement, fresh_donated, measure
 from jaxremat._src.schedule import Schedule
 from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.targets import Target, get_target
@@ -810,6 +810,7 @@ def verify(
   donate_argnums: int | Sequence[int] = (),
   envelope: NoiseEnvelope | None = None,
   target: str | Target | None = None,
+  emitted_executable: Any = None,
   **kwargs: Any,
 ) -> Verification:
   """Checks ``emitted`` (from `jaxremat.emit`) against the original ``fn``.
@@ -834,12 +835,17 @@ def verify(
       ``"host"`` on the host CPU, for a step the device cannot hold without the plan;
       ``"auto"`` picks with `choose_verification_device`. `measure` compiles for the
       default backend in every case (and runs there when ``runs`` > 0).
-    donate_argnums: as for `jax.jit`, for `measure` only: the outputs are computed on
-      calls that donate nothing, since ``fn`` runs three times on the same arguments.
+    donate_argnums: as for `jax.jit`, for `measure` and ``emitted_executable`` only: the
+      outputs are computed on calls that donate the caller's arguments to nothing, since
+      ``fn`` runs three times on the same arguments.
     envelope: a `noise_envelope` of ``fn`` on these arguments to reuse (when verifying
       many schedules of one function); made here when None.
     target: what `measure` compiles for (`jaxremat.get_target`; None: this machine's
       backend). On a target without devices here the outputs are computed on the host.
+    emitted_executable: ``emitted`` compiled already for JAX's default device with
+      ``donate_argnums`` (the planner's, which the optimized step runs), to compute its
+      outputs on the device without compiling it again; its donated arguments get
+      copies. None: ``emitted`` is jitted here without donation.
     **kwargs: keyword arguments to run both functions on.
 
   Returns:
@@ -881,8 +887,12 @@ def verify(
     device = choose_verification_device(original.peak_bytes, device_bytes_limit())
   place = _verification_device(device)
   placed_args, placed_kwargs = _put((args, kwargs), place)
-  with _default_device(place):
-    got = _to_host(jax.jit(emitted)(*placed_args, **placed_kwargs))
+  if emitted_executable is not None and place is None:
+    donated = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
+    got = _to_host(emitted_executable(*fresh_donated(args, donated), **kwargs))
+  else:
+    with _default_device(place):
+      got = _to_host(jax.jit(emitted)(*placed_args, **placed_kwargs))
   del placed_args, placed_kwargs
   if envelope is None:
     perturb = rtol is None and atol is None

@@ -25,11 +25,11 @@ from typing import Any
 
 from jaxremat._src.errors import InfeasibleBudgetError, NoScheduleFoundError
 from jaxremat._src.graph import RematGraph
+from jaxremat._src.order import memory_minimizing_order
 from jaxremat._src.schedule import Schedule, schedule_from_computes
 from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solvers.base import Progress, ProgressCallback, available_solvers, get_solver
 from jaxremat._src.solvers.exact_common import is_staged
-from jaxremat._src.solvers.reorder import memory_minimizing_order
 
 # Heuristics in the order they run. cover-staged is the fastest to find a schedule on
 # the random layered graphs (rl1000 at 0.8: 0.5 s, cover 1 s) and the warm start of the
