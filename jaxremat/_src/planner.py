@@ -37,7 +37,7 @@ from jaxremat._src.minimize import minimize_peak
 from jaxremat._src.plan_cache import PlanCache, fingerprint
 from jaxremat._src.program import Program
 from jaxremat._src.schedule import Schedule, schedule_from_computes
-from jaxremat._src.signature import CallSignature, FlatStep, OutputSplit, static_key
+from jaxremat._src.signature import CallSignature, FlatStep, OutputSplit, abstract, static_key
 from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import Progress, get_solver
@@ -114,8 +114,7 @@ class CompiledStep:
     emitted: the emitted step (`jaxremat.emit`), not jitted.
     executable: ``jitted`` as the planner compiled and measured it, where it runs on this
       machine's default device (None elsewhere): calls run it, not a second compile of
-      ``jitted`` (12 s of the GPT example's first call on XLA:CPU). Calls under a JAX
-      transformation (an enclosing `jax.jit`) trace ``jitted``.
+      ``jitted`` (12 s of the GPT example's first call on XLA:CPU).
   """
 
   signature: CallSignature
@@ -126,9 +125,15 @@ class CompiledStep:
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     leaves = self.signature.dynamic_leaves(args, kwargs)
-    traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
-    run = self.jitted if self.executable is None or traced else self.executable
-    return self.outputs.merge(run(*leaves))
+    if self.executable is not None and self._runs_as_traced(leaves):
+      return self.outputs.merge(self.executable(*leaves))
+    return self.outputs.merge(self.jitted(*leaves))
+
+  def _runs_as_traced(self, leaves: Sequence[Any]) -> bool:
+    """Whether ``leaves`` are concrete values of the traced types: under a transformation,
+    or with another shape or dtype (which ``jitted`` refuses in words), ``jitted`` runs."""
+    concrete = not any(isinstance(x, jax.core.Tracer) for x in leaves)
+    return concrete and tuple(map(abstract, leaves)) == self.signature.specs
 
 
 @dataclasses.dataclass(frozen=True)
