@@ -482,12 +482,6 @@ class _Loop:
     self.baseline_gap_bytes = baseline.peak_bytes - self.predicted_peak_bytes(
       baseline_schedule(program.graph)
     )
-    # Where the model holds more than the compiler on the original step, the order it
-    # takes the compiler to run is the likelier error, and a plan fences its own order:
-    # the first plan is made within the budget. The demo's step on XLA:CPU: the model
-    # 4.19 MB over XLA's baseline and 0.26 MB over its first plan at 0.7, which planned
-    # 4.19 MB above the budget missed it.
-    self.first_planning_bytes = budget_bytes - max(self.baseline_gap_bytes, 0)
     self.signature = signature
     self.budget_bytes = budget_bytes
     self.opts = opts
@@ -651,7 +645,7 @@ class _Loop:
     of the peak at x1.020 FLOPs, and the policy x0.641 at x1.018."""
     if self.deadline.left_s() <= self.reserve_s - self.policy_s:
       return
-    planning = self.solver_budget(self.first_planning_bytes)
+    planning = self.solver_budget(self.budget_bytes - self.baseline_gap_bytes)
     try:
       schedule = solve(self.solver_graph, planning, "dots-saveable", time_limit=1.0)
     except (InfeasibleBudgetError, NoScheduleFoundError):
@@ -695,7 +689,7 @@ class _Loop:
     graph = self.solver_graph
     loose_bytes = int(self.budget_bytes * (1 + _SEGMENT_SLACK))
     first = {
-      self.solver_budget(self.first_planning_bytes),
+      self.solver_budget(self.budget_bytes - self.baseline_gap_bytes),
       self.solver_budget(loose_bytes),
     }
     # Per solver, the budgets (in the solvers' graph) to plan within next, in turn.
@@ -740,7 +734,7 @@ class _Loop:
     planning budget infeasible, the solver finds nothing, or XLA undid a plan (`undone`).
     """
     graph = self.solver_graph
-    planning = self.first_planning_bytes
+    planning = self.budget_bytes - self.baseline_gap_bytes
     while not self.met and self.solves_left() > 0:
       limit_s = self.solve_time_s()
       if limit_s < 0.1 and self.tried:
