@@ -132,10 +132,9 @@ def measure(
   )
   if not runs:
     return measured
-  donated = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
   times = []
   for k in range(warmup + runs):
-    call_args = fresh_donated(args, donated)
+    call_args = fresh_donated(args, donate_argnums)
     jax.block_until_ready(call_args)
     start = time.perf_counter()
     jax.block_until_ready(compiled(*call_args, **kwargs))
@@ -202,9 +201,10 @@ def compile_and_measure(
   )
 
 
-def fresh_donated(args: Sequence[Any], donated: set[int]) -> list[Any]:
+def fresh_donated(args: Sequence[Any], donate_argnums: int | Sequence[int]) -> list[Any]:
   """``args`` with a copy of each donated one: a call that donates them leaves the
   caller's arrays alive."""
+  donated = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
   return [jax.tree.map(lambda a: a.copy(), a) if i in donated else a for i, a in enumerate(args)]
 
 

@@ -37,7 +37,7 @@ from jaxremat._src.minimize import minimize_peak
 from jaxremat._src.plan_cache import PlanCache, fingerprint
 from jaxremat._src.program import Program
 from jaxremat._src.schedule import Schedule, schedule_from_computes
-from jaxremat._src.signature import CallSignature, FlatStep, OutputSplit, abstract, static_key
+from jaxremat._src.signature import CallSignature, FlatStep, OutputSplit, static_key
 from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import Progress, get_solver
@@ -125,15 +125,14 @@ class CompiledStep:
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     leaves = self.signature.dynamic_leaves(args, kwargs)
-    if self.executable is not None and self._runs_as_traced(leaves):
-      return self.outputs.merge(self.executable(*leaves))
+    if self.executable is not None:
+      try:
+        return self.outputs.merge(self.executable(*leaves))
+      except TypeError:
+        # The executable checks its arguments before it runs: under a transformation, or
+        # with another shape or dtype (which ``jitted`` refuses by name), ``jitted`` runs.
+        pass
     return self.outputs.merge(self.jitted(*leaves))
-
-  def _runs_as_traced(self, leaves: Sequence[Any]) -> bool:
-    """Whether ``leaves`` are concrete values of the traced types: under a transformation,
-    or with another shape or dtype (which ``jitted`` refuses in words), ``jitted`` runs."""
-    concrete = not any(isinstance(x, jax.core.Tracer) for x in leaves)
-    return concrete and tuple(map(abstract, leaves)) == self.signature.specs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -888,8 +888,7 @@ def verify(
   place = _verification_device(device)
   placed_args, placed_kwargs = _put((args, kwargs), place)
   if emitted_executable is not None and place is None:
-    donated = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
-    got = _to_host(emitted_executable(*fresh_donated(args, donated), **kwargs))
+    got = _to_host(emitted_executable(*fresh_donated(args, donate_argnums), **kwargs))
   else:
     with _default_device(place):
       got = _to_host(jax.jit(emitted)(*placed_args, **placed_kwargs))
