@@ -65,8 +65,12 @@ def minimize_peak(
     tolerance_bytes if tolerance_bytes is not None else max(1, baseline.peak_bytes // 1000)
   )
   probe_s = max(time_limit / 8, 0.5)
-  best = solve(graph, baseline.peak_bytes, "noremat", time_limit=probe_s)
-  lo, hi = graph.min_feasible_bytes, baseline.peak_bytes - 1  # the answer lies in [lo, best]
+  # Where effects run once, solvers plan on the graph that holds their outputs throughout
+  # (`RematGraph.with_pinned_effects`), whose baseline may peak above this one's.
+  planned = graph.with_pinned_effects() if graph.compute_once_nodes else graph
+  start_bytes = simulate(planned, baseline_schedule(planned)).peak_bytes
+  best = solve(graph, start_bytes, "noremat", time_limit=probe_s)
+  lo, hi = graph.min_feasible_bytes, best.stats["peak_bytes"] - 1  # the answer: [lo, best]
   probes = 0
   while lo <= hi and hi - lo >= tolerance:
     left = time_limit - (time.perf_counter() - start)
