@@ -174,6 +174,11 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
       sizes_of = [b.bytes for b in buffers(instruction.shape)]
       held[name] = sizes_of or [0]
       elements[name] = [(name, j) for j in range(len(sizes_of))]
+      if instruction.opcode == "while":
+        # A loop runs in its initial state's buffers and returns them (the dropout
+        # step's random bits, four buffers per layer where XLA:CPU holds two).
+        held[name] = []
+        elements[name] = list(elements.get(operands[0], []))
       if next((i for i in body if i.is_root), instruction).opcode in _IN_PLACE:
         in_place[name] = sum(sizes_of)
       if any(i.opcode in _REDUCING for i in body or [instruction]):
@@ -188,7 +193,6 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
           last_read[b] = at
     if instruction.is_root:
       outputs.update(elements[name])
-
   named: dict[str, frozenset[int | None]] = {}  # instruction -> the equations it serves
 
   def readers_of(b: tuple[str, int]) -> frozenset[int | None]:
@@ -223,9 +227,22 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
     """The equation of each buffer ``name`` makes."""
     sizes_of, roots = held[name], roots_of[name]
     if len(roots) != len(sizes_of):  # one value and a library call's scratch, or a tuple root
-      return roots[:1] + [None] * (len(sizes_of) - 1)
+      return (roots[:1] + [None] * (len(sizes_of) - 1))[: len(sizes_of)]
     return roots
 
+  # A value that only an unnamed conversion reads is held as that conversion makes it:
+  # XLA:CPU computes a bfloat16 product in float32 and converts it for storage.
+  converted: set[tuple[str, int]] = set()
+  for instruction in entry.instructions:
+    name = instruction.name
+    source = elements.get(instruction.operands[0], []) if instruction.operands else []
+    if own.get(name, 0) is None and len(source) == 1 and read_by[source[0]] == [name]:
+      maker, j = source[0]
+      k = output_roots(maker)[j] if maker in roots_of else None
+      made_from_constants = j in from_constants.get(maker, ())
+      if k is not None and not made_from_constants and _converts_only(instruction, parts):
+        roots_of[name], own[name] = [k], k
+        converted.add(source[0])
   # The buffers each equation has yet to make: XLA:CPU may make a value twice, once in
   # the layout of the one product that reads it next (the Equinox step's attention).
   to_come = collections.Counter(k for name in roots_of for k in output_roots(name))
@@ -248,6 +265,9 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
         readers = readers | {None}
         reader = None
       to_come[k] -= 1
+      if b in converted:  # the equation's result before it is stored
+        scratch[k] = scratch.get(k, 0) + size
+        continue
       if j in from_constants.get(instruction.name, ()) and readers - {None}:
         # Zeros or indices made from constants alone: held for their last reader.
         if reader is not None and updated(b, size):
@@ -317,6 +337,18 @@ def _own_step(
     for i in instructions[start + 1 : end]
     if i.opcode not in _NO_BUFFER
   )
+
+
+def _converts_only(instruction: Instruction, parts: dict) -> bool:
+  """Whether ``instruction`` holds its one operand in another dtype or layout: a
+  conversion, or a fusion of conversions only."""
+  if len(instruction.operands) != 1:
+    return False
+  if instruction.opcode != "fusion":
+    return instruction.opcode in _STORAGE_ONLY
+  called = _CALLS.search(instruction.rest)
+  body = parts[called.group(1)].instructions if called and called.group(1) in parts else []
+  return bool(body) and all(i.opcode in _STORAGE_ONLY | {"parameter"} for i in body)
 
 
 def _fusion_roots(body: list[Instruction]) -> list[int | None]:
