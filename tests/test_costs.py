@@ -86,6 +86,24 @@ def test_a_value_computed_inside_its_readers_is_paid_by_each_reader(cache_dir):
   assert graph_flops == jaxremat.measure(f, x, x, runs=0).flops
 
 
+def test_equations_compiled_side_by_side_get_their_own_costs(cache_dir):
+  """Equations are compiled in threads; each result lands under its own signature, as
+  compiling them one by one gives it, and a repeated equation is compiled once."""
+
+  def f(x, w):
+    h = jnp.tanh(x @ w)
+    return jnp.sum(jnp.exp(h) @ w.T) + jnp.sum(jnp.tanh(x @ w)) + jnp.max(x)
+
+  eqns = jax.make_jaxpr(f)(*ARGS).jaxpr.eqns
+  got = costs.equation_costs(eqns, cache_dir=cache_dir)
+  entries = costs._cache(cache_dir, None).entries
+  assert len(entries) < len(eqns)  # the repeated tanh(x @ w) shares its entries
+  for eqn, cost in zip(eqns, got, strict=True):
+    flops, bytes_accessed, _ = costs._analyze(eqn, "xla", None)
+    assert (cost.source, cost.flops, cost.bytes_accessed) == ("xla", flops, bytes_accessed)
+  assert len({c.flops for c in got}) > 3  # the equations differ, and so do their costs
+
+
 def test_corrupt_cache_is_rebuilt(cache_dir):
   jaxremat.trace(_step, *ARGS, cache_dir=cache_dir)
   cost_file = next(cache_dir.glob("costs-*.json"))

@@ -12,6 +12,7 @@ alone get a shape-based estimate, and say so (``source="shape"``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import math
@@ -32,6 +33,8 @@ from jaxremat._src.graph import read_json, write_json_atomic
 from jaxremat._src.targets import Target, compile_for, get_target
 
 CACHE_FORMAT = "jaxremat.costs/1"
+# Threads that compile equations at once (at most one per core).
+_COMPILE_THREADS = 8
 ROOFLINE_FORMAT = "jaxremat.roofline/1"
 
 
@@ -356,22 +359,32 @@ def equation_costs(
     target.devices()  # a compiler that cannot start fails here, not as shape estimates
   roof = roofline(cache_dir, target)
   cache = _cache(cache_dir, target)
-  backend = roof.backend
   deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
+  keys = [None if e.effects else f"{mode}:{signature(e, roof.backend)}" for e in eqns]
+  missing = {k: e for k, e in zip(keys, eqns, strict=True) if k and k not in cache.entries}
+
+  def analyze(eqn: Any) -> list[Any] | None:
+    if deadline is not None and time.perf_counter() > deadline:
+      return None  # left to shape estimates, and to a later call
+    return _analyze(eqn, mode, target)
+
+  # XLA compiles with the GIL released: equations compile side by side, except where
+  # each is timed on the device.
+  workers = 1 if mode == "measured" else min(os.cpu_count() or 1, _COMPILE_THREADS)
+  pool = concurrent.futures.ThreadPoolExecutor(workers)
+  try:
+    for key, entry in zip(missing, pool.map(analyze, missing.values()), strict=True):
+      if entry is not None:
+        cache.entries[key] = entry
+        cache.dirty = True
+  finally:  # an interrupt starts no more compiles
+    pool.shutdown(cancel_futures=True)
   out = []
-  for eqn in eqns:
-    if eqn.effects:
-      out.append(_shape_cost(eqn, roof))
-      continue
-    key = f"{mode}:{signature(eqn, backend)}"
-    entry = cache.entries.get(key)
-    if entry is None and deadline is not None and time.perf_counter() > deadline:
-      out.append(_shape_cost(eqn, roof))
-      continue
+  for eqn, key in zip(eqns, keys, strict=True):
+    entry = cache.entries.get(key) if key else None
     if entry is None:
-      entry = _analyze(eqn, mode, target)
-      cache.entries[key] = entry
-      cache.dirty = True
+      out.append(_shape_cost(eqn, roof))
+      continue
     flops, bytes_accessed, measured_s = entry
     if flops is None or _counted_nothing(eqn, flops):
       out.append(_shape_cost(eqn, roof))
