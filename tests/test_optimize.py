@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import warnings
 
@@ -233,24 +234,28 @@ def test_the_policys_plan_is_compiled_once_even_where_it_misses():
 
 
 def test_the_optimized_step_runs_the_executable_the_planner_compiled(tmp_path):
-  """XLA compiles the optimized step once per plan: verification and the calls run the
-  executable the planner measured (which donates as the step does), not a compile of
-  their own."""
+  """XLA compiles the optimized step once per plan, and the original once: verification
+  and the calls run the executables the planner measured (which donate as the step does),
+  with the original's inputs perturbed by a function of their own, not compiles of their
+  own."""
   step, args = _small_step()
   expected = jax.jit(step)(*args)
-  compiled = []
+  jaxremat.trace_program(step, *args)  # the equations' costs, cached before counting
+  compiled = collections.Counter()
 
   def count(event, duration_s, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration" and "emitted" in kwargs["fun_name"]:
-      compiled.append(duration_s)
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiled[kwargs["fun_name"]] += 1
 
   jax.monitoring.register_event_duration_secs_listener(count)
   try:
     f = jaxremat.optimize(step, budget=0.7, time_limit=30, cache_dir=tmp_path, progress=False)
     plan = f.plan(*args)
-    assert len(compiled) == len(plan.attempts) and plan.verification.outputs_match
+    assert plan.verification.outputs_match
+    assert compiled["jit(emitted)"] == len(plan.attempts) and compiled["jit(step)"] == 1
+    assert set(compiled) == {"jit(emitted)", "jit(step)", "jit(_perturbed)"}, compiled
     got = f(*args)
-    assert len(compiled) == len(plan.attempts)
+    assert compiled["jit(emitted)"] == len(plan.attempts)
   finally:
     jax.monitoring.unregister_event_duration_listener(count)
   assert plan.compiled.executable is not None

@@ -32,7 +32,7 @@ from jaxremat._src.errors import (
   VerificationError,
 )
 from jaxremat._src.graph import RematGraph
-from jaxremat._src.measure import Measurement, compile_and_measure, measure
+from jaxremat._src.measure import Measurement, compile_and_measure
 from jaxremat._src.minimize import minimize_peak
 from jaxremat._src.plan_cache import PlanCache, fingerprint
 from jaxremat._src.program import Program
@@ -237,14 +237,13 @@ def make_plan(
     **kwargs,
   )
   leaves = signature.dynamic_leaves(args, kwargs)
-  # Tracing with the compiler's model compiled the step already.
-  baseline = program.baseline or measure(
-    FlatStep(fn, signature),
-    *leaves,
-    runs=0,
-    donate_argnums=signature.donated_leaves,
-    target=opts.target,
-  )
+  # Tracing with the compiler's model compiled the step already; else the original's
+  # executable is kept for verifying the plan.
+  baseline, original = program.baseline, None
+  if baseline is None:
+    original, baseline = compile_and_measure(
+      FlatStep(fn, signature), *leaves, donate_argnums=signature.donated_leaves, target=opts.target
+    )
   budget_bytes = parse_budget(opts.budget, baseline.peak_bytes)
   lower_bound = lower_bound_bytes(baseline)
   if budget_bytes < lower_bound:
@@ -292,7 +291,7 @@ def make_plan(
     else min(loop.tried, key=lambda t: (not t.kept, t.compiled.peak_bytes))
   )
   verification = (
-    _verify(fn, signature, leaves, program, best, baseline, opts) if opts.verify else None
+    _verify(fn, signature, leaves, program, best, baseline, original, opts) if opts.verify else None
   )
   schedule = best.schedule.replace(
     stats={
@@ -817,7 +816,7 @@ def _compile(
 
 
 def _verify(
-  fn, signature, leaves, program, best: _Tried, baseline, opts: PlanOptions
+  fn, signature, leaves, program, best: _Tried, baseline, original, opts: PlanOptions
 ) -> Verification:
   """Verifies the chosen plan on the caller's arguments (`jaxremat.verify`).
 
@@ -840,6 +839,7 @@ def _verify(
     donate_argnums=signature.donated_leaves,
     target=opts.target,
     emitted_executable=best.compiled.step.executable,
+    original_executable=original if opts.target == get_target() else None,
   )
   if not v.outputs_match:
     raise VerificationError(

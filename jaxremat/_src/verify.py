@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal
@@ -341,10 +342,24 @@ def _noise_envelope(
   device: str | None,
   seed: int,
   perturb: bool,
+  executable: Any = None,
+  donate_argnums: int | Sequence[int] = (),
 ) -> NoiseEnvelope:
+  """`noise_envelope`; with ``executable`` (``fn`` compiled for the default device with
+  ``donate_argnums``), ``fn`` runs in it on copies of the donated arguments, perturbed by
+  a function of their own: the original step is not compiled again."""
   place = _verification_device(device)
   args, kwargs = _put((args, kwargs), place)
-  run = jax.jit(_perturbing(fn, seed))
+  if executable is not None and place is None:
+    perturbing = jax.jit(functools.partial(_perturbed, seed=seed))
+
+    def run(scale: np.float32, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+      if scale:
+        args, kwargs = perturbing(scale, args, kwargs)
+      return executable(*fresh_donated(args, donate_argnums), **kwargs)
+
+  else:
+    run = jax.jit(_perturbing(fn, seed))
 
   def outputs(scale: float) -> Any:
     # Each run's outputs go to the host at once: the device holds one run at a time.
@@ -427,12 +442,16 @@ def _perturbing(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
   """
 
   def run(scale: jax.Array, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    leaves = [_perturb(x, scale, seed, i) for i, x in enumerate(leaves)]
-    args, kwargs = jax.tree.unflatten(tree, leaves)
+    args, kwargs = _perturbed(scale, args, kwargs, seed)
     return fn(*args, **kwargs)
 
   return run
+
+
+def _perturbed(scale: jax.Array, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int):
+  """The arguments, each inexact leaf scaled by ``1 + scale * s`` (`_perturb`)."""
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  return jax.tree.unflatten(tree, [_perturb(x, scale, seed, i) for i, x in enumerate(leaves)])
 
 
 def _perturb(x: Any, scale: jax.Array, seed: int, leaf: int) -> Any:
@@ -811,6 +830,7 @@ def verify(
   envelope: NoiseEnvelope | None = None,
   target: str | Target | None = None,
   emitted_executable: Any = None,
+  original_executable: Any = None,
   **kwargs: Any,
 ) -> Verification:
   """Checks ``emitted`` (from `jaxremat.emit`) against the original ``fn``.
@@ -835,7 +855,7 @@ def verify(
       ``"host"`` on the host CPU, for a step the device cannot hold without the plan;
       ``"auto"`` picks with `choose_verification_device`. `measure` compiles for the
       default backend in every case (and runs there when ``runs`` > 0).
-    donate_argnums: as for `jax.jit`, for `measure` and ``emitted_executable`` only: the
+    donate_argnums: as for `jax.jit`, for `measure` and the executables only: the
       outputs are computed on calls that donate the caller's arguments to nothing, since
       ``fn`` runs three times on the same arguments.
     envelope: a `noise_envelope` of ``fn`` on these arguments to reuse (when verifying
@@ -846,6 +866,8 @@ def verify(
       ``donate_argnums`` (the planner's, which the optimized step runs), to compute its
       outputs on the device without compiling it again; its donated arguments get
       copies. None: ``emitted`` is jitted here without donation.
+    original_executable: ``fn`` compiled likewise (the planner's baseline), for its runs
+      on the device; None: ``fn`` is jitted here, with the perturbation inside.
     **kwargs: keyword arguments to run both functions on.
 
   Returns:
@@ -895,7 +917,16 @@ def verify(
   del placed_args, placed_kwargs
   if envelope is None:
     perturb = rtol is None and atol is None
-    envelope = _noise_envelope(fn, args, kwargs, device=device, seed=0, perturb=perturb)
+    envelope = _noise_envelope(
+      fn,
+      args,
+      kwargs,
+      device=device,
+      seed=0,
+      perturb=perturb,
+      executable=original_executable,
+      donate_argnums=donate_argnums,
+    )
   comparison = compare_with_envelope(envelope, got, rtol=rtol, atol=atol)
   emitted_m = emitted_measurement or measure(emitted, *args, **measured, **kwargs)
   planned = planned_recomputes(program, schedule)
