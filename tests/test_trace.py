@@ -810,7 +810,10 @@ def test_the_compiler_model_holds_each_value_in_the_buffer_xla_keeps(name):
   keys = jax.random.split(jax.random.key(0), 5)
   ws = [jax.random.normal(k, (256, 256)) * 0.05 for k in keys[:4]]
   x = jax.random.normal(keys[4], (2048, 256))
-  step, args = {"dropout": (_dropout_step, (ws, x, keys[0])), "bfloat16": (_bfloat16_step, (ws, x))}[name]
+  step, args = {
+    "dropout": (_dropout_step, (ws, x, keys[0])),
+    "bfloat16": (_bfloat16_step, (ws, x)),
+  }[name]
   program = jaxremat.trace_program(step, *args, costs="shape", model="compiler")
   measured = program.baseline.peak_bytes
   predicted = xla_accounted_peak_bytes(program.graph, None, program.baseline.alias_bytes)

@@ -33,9 +33,9 @@ from jaxremat._src.graph import read_json, write_json_atomic
 from jaxremat._src.targets import Target, compile_for, get_target
 
 CACHE_FORMAT = "jaxremat.costs/1"
+ROOFLINE_FORMAT = "jaxremat.roofline/1"
 # Threads that compile equations at once (at most one per core).
 _COMPILE_THREADS = 8
-ROOFLINE_FORMAT = "jaxremat.roofline/1"
 
 
 @dataclasses.dataclass(frozen=True)

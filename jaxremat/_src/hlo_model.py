@@ -193,6 +193,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
           last_read[b] = at
     if instruction.is_root:
       outputs.update(elements[name])
+
   named: dict[str, frozenset[int | None]] = {}  # instruction -> the equations it serves
 
   def readers_of(b: tuple[str, int]) -> frozenset[int | None]:
