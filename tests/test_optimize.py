@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from backend import assert_trees_allclose
+from backend import FACTS, assert_trees_allclose
 
 import examples
 import jaxremat
@@ -260,6 +260,25 @@ def test_the_optimized_step_runs_the_executable_the_planner_compiled(tmp_path):
     jax.monitoring.unregister_event_duration_listener(count)
   assert plan.compiled.executable is not None
   assert_trees_allclose(got, expected)
+
+
+def test_the_memory_model_is_the_users_choice(tmp_path):
+  """``model="compiler"`` plans on XLA:CPU in what its compiler keeps of the step, read
+  from the one compile that is also the baseline; a model that does not exist is refused
+  before any call."""
+  step, args = _small_step()
+  f = jaxremat.optimize(
+    step, budget=0.7, model="compiler", time_limit=30, cache_dir=tmp_path, progress=False
+  )
+  plan = f.plan(*args)
+  assert plan.program.graph.meta["model"] == "compiler"
+  assert plan.measured_peak_bytes <= plan.budget_bytes and plan.verification.outputs_match
+  assert plan.program.baseline.peak_bytes == plan.baseline_peak_bytes
+  auto = jaxremat.optimize(step, budget=0.7, time_limit=30, cache_dir=tmp_path, progress=False)
+  default = "rules" if FACTS.platform == "cpu" else "compiler"
+  assert auto.plan(*args).program.graph.meta["model"] == default
+  with pytest.raises(ValueError, match="model='guess' is not a memory model"):
+    jaxremat.optimize(step, budget=0.7, model="guess")
 
 
 def test_the_least_peak_plan_is_compiled_only_below_every_plan_compiled():

@@ -19,6 +19,7 @@ from jaxremat._src.report import Report, make_report
 from jaxremat._src.signature import call_signature, jit_options
 from jaxremat._src.solvers.base import Progress
 from jaxremat._src.targets import Target
+from jaxremat._src.trace import MODELS
 
 MSG_TRACED = (
   "{name} is being traced (by jax.jit, eqx.filter_jit, jax.grad or jax.vmap) before it has "
@@ -82,6 +83,7 @@ def optimize(
   static_argnames: str | Sequence[str] = (),
   progress: bool | Callable[[Progress], None] = True,
   target: str | Target | None = None,
+  model: str = "auto",
   **solver_options: Any,
 ) -> Any:
   """Makes ``fn`` run within ``budget`` bytes of device memory, recomputing the least.
@@ -122,6 +124,11 @@ def optimize(
       devices here is compiled for deviceless: the budget, the baseline and the plans are
       its compiler's figures, the fence is its own, and the outputs are checked on the
       host. The step that is returned runs on this machine.
+    model: the memory model plans are made in (`jaxremat.trace_program`): ``"rules"``
+      (XLA:CPU's fusion rules), ``"compiler"`` (what the target compiler keeps of the
+      step, read from its optimized program), or ``"auto"``: the rules on XLA:CPU, the
+      compiler's elsewhere. The compiler's is closer on steps the rules were not written
+      for (benchmarks/README.md, "The compiler's model").
     **solver_options: passed to the solver.
 
   Returns:
@@ -145,6 +152,8 @@ def optimize(
     raise ValueError(f"time_limit={time_limit!r} must be a positive number of seconds.")
   if verify not in (True, False, "auto", "device", "host"):
     raise ValueError(f"verify={verify!r} must be True, False, 'auto', 'device' or 'host'.")
+  if model not in MODELS:
+    raise ValueError(f"model={model!r} is not a memory model; use one of {MODELS}.")
   if fn is not None and not callable(fn):
     raise TypeError(f"fn={fn!r} is not callable; pass the step function to optimize.")
   options = PlanOptions(
@@ -159,6 +168,7 @@ def optimize(
     progress=progress,
     solver_options=solver_options,
     target=target,
+    model=model,
   )
   arguments = {
     "static_argnums": _as_tuple(static_argnums),

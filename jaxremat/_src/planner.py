@@ -188,6 +188,7 @@ class PlanOptions:
   progress: bool | Callable[[Progress], None] = True
   solver_options: dict[str, Any] = dataclasses.field(default_factory=dict)
   target: str | Target | None = None  # resolved by `make_plan` (get_target)
+  model: str = "auto"
 
 
 class _Deadline:
@@ -234,6 +235,7 @@ def make_plan(
     signature=signature,
     cost_time_limit=_COSTS_SHARE * opts.time_limit,
     target=opts.target,
+    model=opts.model,
     **kwargs,
   )
   leaves = signature.dynamic_leaves(args, kwargs)
