@@ -19,7 +19,7 @@ from jaxremat._src.report import Report, make_report
 from jaxremat._src.signature import call_signature, jit_options
 from jaxremat._src.solvers.base import Progress
 from jaxremat._src.targets import Target
-from jaxremat._src.trace import MODELS
+from jaxremat._src.trace import check_model
 
 MSG_TRACED = (
   "{name} is being traced (by jax.jit, eqx.filter_jit, jax.grad or jax.vmap) before it has "
@@ -152,8 +152,7 @@ def optimize(
     raise ValueError(f"time_limit={time_limit!r} must be a positive number of seconds.")
   if verify not in (True, False, "auto", "device", "host"):
     raise ValueError(f"verify={verify!r} must be True, False, 'auto', 'device' or 'host'.")
-  if model not in MODELS:
-    raise ValueError(f"model={model!r} is not a memory model; use one of {MODELS}.")
+  check_model(model)
   if fn is not None and not callable(fn):
     raise TypeError(f"fn={fn!r} is not callable; pass the step function to optimize.")
   options = PlanOptions(

@@ -50,6 +50,8 @@ _INDEX = re.compile(r"index=(\d+)")
 _IN_PLACE: Final = frozenset({"scatter", "dynamic-update-slice"})
 # Instructions that hold their operand's value in another dtype or layout.
 _STORAGE_ONLY: Final = frozenset({"convert", "copy", "bitcast", "reshape", "bitcast-convert"})
+# What a fused computation of conversions only holds.
+_CONVERTING: Final = _STORAGE_ONLY | {"parameter"}
 # Instructions whose output is no elementwise function or layout of their operands.
 _REDUCING: Final = frozenset({"reduce", "reduce-window", "select-and-scatter", "sort"})
 
@@ -151,6 +153,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   constant_names: set[str] = set()
   from_constants: dict[str, set[int]] = {}  # instruction -> its outputs made from constants
   reducing: set[str] = set()  # instructions that reduce (`_REDUCING`)
+  conversions: dict[str, str] = {}  # instruction that only converts -> its one operand
   for at, instruction in enumerate(entry.instructions):
     name, operands = instruction.name, instruction.operands
     if instruction.opcode in ("parameter", "constant"):
@@ -179,6 +182,8 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
         # step's random bits, four buffers per layer where XLA:CPU holds two).
         held[name] = []
         elements[name] = list(elements.get(operands[0], []))
+      if len(operands) == 1 and all(i.opcode in _CONVERTING for i in body or [instruction]):
+        conversions[name] = operands[0]
       if next((i for i in body if i.is_root), instruction).opcode in _IN_PLACE:
         in_place[name] = sum(sizes_of)
       if any(i.opcode in _REDUCING for i in body or [instruction]):
@@ -234,14 +239,12 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   # A value that only an unnamed conversion reads is held as that conversion makes it:
   # XLA:CPU computes a bfloat16 product in float32 and converts it for storage.
   converted: set[tuple[str, int]] = set()
-  for instruction in entry.instructions:
-    name = instruction.name
-    source = elements.get(instruction.operands[0], []) if instruction.operands else []
-    if own.get(name, 0) is None and len(source) == 1 and read_by[source[0]] == [name]:
+  for name, operand in conversions.items():
+    source = elements.get(operand, [])
+    if own[name] is None and len(source) == 1 and read_by[source[0]] == [name]:
       maker, j = source[0]
       k = output_roots(maker)[j] if maker in roots_of else None
-      made_from_constants = j in from_constants.get(maker, ())
-      if k is not None and not made_from_constants and _converts_only(instruction, parts):
+      if k is not None and j not in from_constants.get(maker, ()):
         roots_of[name], own[name] = [k], k
         converted.add(source[0])
   # The buffers each equation has yet to make: XLA:CPU may make a value twice, once in
@@ -338,18 +341,6 @@ def _own_step(
     for i in instructions[start + 1 : end]
     if i.opcode not in _NO_BUFFER
   )
-
-
-def _converts_only(instruction: Instruction, parts: dict) -> bool:
-  """Whether ``instruction`` holds its one operand in another dtype or layout: a
-  conversion, or a fusion of conversions only."""
-  if len(instruction.operands) != 1:
-    return False
-  if instruction.opcode != "fusion":
-    return instruction.opcode in _STORAGE_ONLY
-  called = _CALLS.search(instruction.rest)
-  body = parts[called.group(1)].instructions if called and called.group(1) in parts else []
-  return bool(body) and all(i.opcode in _STORAGE_ONLY | {"parameter"} for i in body)
 
 
 def _fusion_roots(body: list[Instruction]) -> list[int | None]:

@@ -243,9 +243,10 @@ def make_plan(
   # executable is kept for verifying the plan.
   baseline, original = program.baseline, None
   if baseline is None:
-    original, baseline = compile_and_measure(
+    compiled, baseline = compile_and_measure(
       FlatStep(fn, signature), *leaves, donate_argnums=signature.donated_leaves, target=opts.target
     )
+    original = _runnable(compiled, opts.target)
   budget_bytes = parse_budget(opts.budget, baseline.peak_bytes)
   lower_bound = lower_bound_bytes(baseline)
   if budget_bytes < lower_bound:
@@ -809,9 +810,13 @@ def _compile(
     flat, *signature.specs, donate_argnums=donated, target=target
   )
   jitted = jax.jit(flat, donate_argnums=donated)
-  runs_here = compiled if target == get_target() else None
-  step = CompiledStep(signature, program.outputs, jitted, emitted, runs_here)
+  step = CompiledStep(signature, program.outputs, jitted, emitted, _runnable(compiled, target))
   return _Compiled(step, measured)
+
+
+def _runnable(compiled: Any, target: Target) -> Any:
+  """``compiled`` where it runs on this machine (``target`` is its backend), else None."""
+  return compiled if target == get_target() else None
 
 
 # -- verification ------------------------------------------------------------------------
@@ -841,7 +846,7 @@ def _verify(
     donate_argnums=signature.donated_leaves,
     target=opts.target,
     emitted_executable=best.compiled.step.executable,
-    original_executable=original if opts.target == get_target() else None,
+    original_executable=original,
   )
   if not v.outputs_match:
     raise VerificationError(

@@ -110,8 +110,7 @@ def trace_program(
   """
   if costs not in _COST_MODES:
     raise ValueError(f"costs={costs!r} is not a cost mode; use one of {sorted(_COST_MODES)}.")
-  if model not in MODELS:
-    raise ValueError(f"model={model!r} is not a memory model; use one of {MODELS}.")
+  check_model(model)
   target = get_target(target)
   if model == "auto":
     # On a real H100 the rules put the MLP example's plan at 0.7 at 29.50 MiB, where its
@@ -160,7 +159,14 @@ def trace_program(
   )
 
 
-MODELS = ("auto", "rules", "compiler")
+_MODELS = ("auto", "rules", "compiler")
+
+
+def check_model(model: str) -> None:
+  """Raises ValueError naming ``model`` unless it is one of `_MODELS`."""
+  if model not in _MODELS:
+    raise ValueError(f"model={model!r} is not a memory model; use one of {_MODELS}.")
+
 
 MSG_CONCRETE = (
   "{name} uses a traced argument in Python control flow ({error}); jaxremat traces arrays "
