@@ -8,7 +8,7 @@ model, equations that repeat an earlier one are merged as XLA's CSE merges them
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -89,6 +89,70 @@ def merge_repeats(closed: Any) -> tuple[Any, tuple[int, ...]]:
   if len(eqns) == len(jaxpr.eqns):
     return closed, tuple(index)
   return compat.replace_body(closed, eqns, [read(v) for v in jaxpr.outvars]), tuple(index)
+
+
+# -- re-tracing ---------------------------------------------------------------------------
+
+
+def retrace(closed: Any, run_eqn: Callable[[int, Any, list[Any]], list[Any] | None]) -> Any:
+  """``closed`` traced again, equation by equation: ``run_eqn(index, eqn, operands)``
+  gives an equation's outputs, or None to bind it as it is."""
+  jaxpr, consts = compat.open_jaxpr(closed)
+  n_consts = len(consts)
+
+  def run(*args):
+    env = dict(zip(jaxpr.constvars, args[:n_consts], strict=True))
+    env.update(zip(jaxpr.invars, args[n_consts:], strict=True))
+    outer = compat.current_name_stack()
+    for k, eqn in enumerate(jaxpr.eqns):
+      invals = [read(env, v) for v in eqn.invars]
+      with compat.user_context(eqn, outer):
+        outs = run_eqn(k, eqn, invals)
+      if outs is None:
+        _bind(eqn, invals, env, outer)
+      else:
+        _write(env, eqn.outvars, outs)
+    return [read(env, v) for v in jaxpr.outvars]
+
+  specs = [
+    jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+    for v in jaxpr.invars
+  ]
+  const_specs = [abstract(c) if is_array(c) else c for c in consts]
+  inner, inner_consts = compat.open_jaxpr(jax.make_jaxpr(run)(*const_specs, *specs))
+  return _close_over(inner, inner_consts, n_consts, consts)
+
+
+def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> dict[Any, Any]:
+  """Every value of open ``jaxpr`` on ``consts`` and ``args``, by variable."""
+  env = dict(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
+  evaluate_eqns(jaxpr.eqns, env)
+  return env
+
+
+def evaluate_eqns(eqns: Sequence[Any], env: dict[Any, Any]) -> None:
+  """Binds ``eqns`` in order on the values in ``env``, adding their outputs to it."""
+  outer = compat.current_name_stack()
+  for eqn in eqns:
+    _bind(eqn, [read(env, v) for v in eqn.invars], env, outer)
+
+
+def read(env: dict[Any, Any], v: Any) -> Any:
+  """The value of variable or literal ``v``."""
+  return v.val if isinstance(v, compat.Literal) else env[v]
+
+
+def _bind(eqn: Any, invals: list[Any], env: dict[Any, Any], outer_name_stack: Any) -> None:
+  with compat.user_context(eqn, outer_name_stack), compat.eqn_ctx_manager(eqn):
+    outs = eqn.primitive.bind(*invals, **compat.bind_params(eqn))
+  _write(env, eqn.outvars, outs if eqn.primitive.multiple_results else [outs])
+
+
+def _write(env: dict[Any, Any], outvars: Sequence[Any], values: Sequence[Any]) -> None:
+  for v, x in zip(outvars, values, strict=True):
+    if not isinstance(v, compat.DropVar):
+      env[v] = x
 
 
 def _close_over(jaxpr: Any, extra_consts: list[Any], n_consts: int, consts: list[Any]) -> Any:

@@ -32,6 +32,7 @@ from jaxremat._src.errors import (
   VerificationError,
 )
 from jaxremat._src.graph import RematGraph
+from jaxremat._src.loops import residual_loops
 from jaxremat._src.measure import Measurement, compile_and_measure
 from jaxremat._src.minimize import minimize_peak
 from jaxremat._src.plan_cache import PlanCache, fingerprint
@@ -251,16 +252,23 @@ def make_plan(
   lower_bound = lower_bound_bytes(baseline)
   if budget_bytes < lower_bound:
     raise InfeasibleBudgetError(budget_bytes, lower_bound, _lower_bound_proof(baseline))
+  # The program the solvers plan: the step, its loops storing less where it is over the
+  # budget, and the compiler's figures for it.
+  planned, original_program = baseline, program
+  if budget_bytes < baseline.peak_bytes and residual_loops(program.jaxpr):
+    program, planned = _shed_loops(
+      fn, args, kwargs, signature, leaves, budget_bytes, baseline, opts
+    )
   keys = _cache_keys(program, signature, budget_bytes, opts)
   cache = PlanCache(opts.cache_dir) if opts.use_cache else None
-  loop = _Loop(program, signature, budget_bytes, opts, deadline, baseline)
+  loop = _Loop(program, signature, budget_bytes, opts, deadline, planned)
   cached = cache.load(keys.plan, program.graph) if cache else None
   if cached is not None:
     loop.try_schedule(cached, "cache")
   # A cached plan that meets the budget was chosen over the policy's when it was made.
   policy_tried = loop.met
-  if not loop.met and budget_bytes >= baseline.peak_bytes:
-    # The original fits: no recomputation is the cheapest plan, whatever the model says.
+  if not loop.met and budget_bytes >= planned.peak_bytes:
+    # The program fits: no recomputation is the cheapest plan, whatever the model says.
     no_remat = simulate(program.graph, baseline_schedule(program.graph)).peak_bytes
     loop.try_schedule(solve(program.graph, no_remat, "noremat"), "baseline")
   if not loop.met:
@@ -304,13 +312,18 @@ def make_plan(
         "baseline_peak_bytes": baseline.peak_bytes,
         # The model's peaks as XLA counts them (output buffers held from the start).
         "predicted_peak_bytes": best.attempt.predicted_peak_bytes,
-        "predicted_baseline_peak_bytes": loop.predicted_peak_bytes(
-          baseline_schedule(program.graph)
+        "predicted_baseline_peak_bytes": xla_accounted_peak_bytes(
+          original_program.graph,
+          baseline_schedule(original_program.graph),
+          baseline.alias_bytes,
         ),
         # The FLOPs the model counts (XLA's cost analysis of each equation), to set
         # beside what XLA counts in the compiled step.
         "predicted_flops": model_flops(program.graph, best.schedule.computes),
-        "predicted_baseline_flops": model_flops(program.graph, program.graph.order),
+        "predicted_baseline_flops": model_flops(
+          original_program.graph, original_program.graph.order
+        ),
+        "loops": list(program.loops),
         "attempts": [dataclasses.asdict(t.attempt) for t in loop.tried],
       },
     }
@@ -338,6 +351,55 @@ def make_plan(
   if cache and best.attempt.origin != "cache":
     cache.store(keys.plan, schedule, info={"graph": program.graph.name, "versions": _versions()})
   return plan
+
+
+def _shed_loops(fn, args, kwargs, signature, leaves, budget_bytes, baseline, opts):
+  """The step with its loops storing less for the backward pass, by as much as XLA
+  measures it over ``budget_bytes`` (`loops.shed_residuals`), and its compiler figures.
+
+  The residuals a forward scan stacks over its iterations are usually the step's peak,
+  and the graph's solvers can keep or recompute them only whole; inside the loop body
+  each iteration's choice is cheap to make exactly. Where XLA measures the rewritten step
+  still over the budget, the loops shed that much more (`_LOOP_ROUNDS` times at most);
+  the solvers plan what is left."""
+  shed, best = 0, None
+  for _ in range(_LOOP_ROUNDS):
+    excess = (baseline if best is None else best[1]).peak_bytes - budget_bytes
+    shed += excess + int(_REPLAN_MARGIN * budget_bytes)
+    program = trace_program(
+      fn,
+      *args,
+      signature=signature,
+      cost_time_limit=_COSTS_SHARE * opts.time_limit,
+      target=opts.target,
+      model=opts.model,
+      shed_loop_bytes=shed,
+      **kwargs,
+    )
+    if not program.loops or (best is not None and program.loops == best[0].loops):
+      break  # the loops store no less
+    measured = program.baseline or _measure_program(program, signature, leaves, opts.target)
+    best = (program, measured)
+    if measured.peak_bytes <= budget_bytes:
+      break
+  return best if best is not None else (program, baseline)
+
+
+# Rewrites of the loops tried at most, each after XLA measured the last one over the budget.
+_LOOP_ROUNDS = 3
+
+
+def _measure_program(
+  program: Program, signature: CallSignature, leaves: Sequence[Any], target: Target
+) -> Measurement:
+  """The target compiler's figures for ``program``'s flat jaxpr, with the step's donation."""
+
+  def flat(*xs):
+    return compat.eval_closed_jaxpr(program.jaxpr, *xs)
+
+  return compile_and_measure(flat, *leaves, donate_argnums=signature.donated_leaves, target=target)[
+    1
+  ]
 
 
 def least_compute(figures: Sequence[tuple[int, float | None, float]]) -> int:
@@ -381,7 +443,8 @@ def loops_hint(graph: RematGraph, shortfall_bytes: int) -> str:
   return (
     f" The step's `{attrs['primitive']}` at {attrs.get('source', '?')} keeps "
     f"{graph.mem[v]} bytes for the backward pass, which jaxremat plans as one value: it "
-    "does not plan inside loop bodies yet. Put the loop body under `jax.checkpoint` (e.g. "
+    "plans inside a loop body only where one backward `scan` alone reads what the loop "
+    "stores. Put the loop body under `jax.checkpoint` (e.g. "
     "policy=jax.checkpoint_policies.dots_saveable, or nothing_saveable to keep only the "
     "carry) so that each iteration keeps less, and plan the step again."
   )

@@ -57,6 +57,8 @@ class Program:
       returned as they are; None for a jaxpr read from text.
     baseline: the target compiler's figures for the step, with its donation, where
       tracing compiled it (``model="compiler"``); else None.
+    loops: per loop that stores less for the backward pass than the step as written
+      (`loops.shed_residuals`), a line saying what it stores and recomputes.
   """
 
   jaxpr: Any
@@ -66,6 +68,7 @@ class Program:
   signature: CallSignature | None = None
   outputs: OutputSplit | None = None
   baseline: Measurement | None = None
+  loops: tuple[str, ...] = ()
 
   @property
   def dynamic_mask(self) -> tuple[bool, ...]:

@@ -15,6 +15,7 @@ This module composes the stages, each a module of its own, in pipeline order:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 
@@ -24,6 +25,7 @@ from jaxremat._src import compat, hlo_model, jaxpr_text
 from jaxremat._src.capture import flatten_jaxpr, merge_repeats
 from jaxremat._src.errors import UnsupportedError
 from jaxremat._src.graph import RematGraph
+from jaxremat._src.loops import shed_residuals
 from jaxremat._src.program import Program, build_program
 from jaxremat._src.signature import CallSignature, FlatStep, call_signature, jit_options
 from jaxremat._src.targets import Target, get_target
@@ -44,6 +46,7 @@ def trace_program(
   cost_time_limit: float | None = None,
   target: str | Target | None = None,
   model: str = "auto",
+  shed_loop_bytes: int = 0,
   **kwargs,
 ) -> Program:
   """Traces ``fn(*args, **kwargs)`` into a `Program` (flat jaxpr + `RematGraph`).
@@ -91,6 +94,10 @@ def trace_program(
       their bytes as the target lays them out, its scratch copies, and its schedule's
       order as the graph's); ``"auto"``: the rules on XLA:CPU, for which they were
       written, and the compiler on a GPU or TPU, with or without its devices here.
+    shed_loop_bytes: bytes the step's differentiated `scan` loops store for the backward
+      pass that the program stores less (`loops.shed_residuals`: each iteration stores
+      other values of its body and the backward pass recomputes the rest from them);
+      the program's ``loops`` says what each loop stores. 0: the loops as written.
     **kwargs: keyword arguments of ``fn``.
 
   Returns:
@@ -133,7 +140,7 @@ def trace_program(
     traced = jax.make_jaxpr(flat_fn)(*signature.specs)
   except jax.errors.ConcretizationTypeError as e:
     raise UnsupportedError(MSG_CONCRETE.format(name=fn_name, error=str(e).splitlines()[0])) from e
-  flat = flatten_jaxpr(traced)
+  flat, loop_lines = shed_residuals(flatten_jaxpr(traced), shed_loop_bytes)
   closed, compiled = flat, None
   if model == "compiler":
     closed, merged_index = merge_repeats(flat)
@@ -143,7 +150,7 @@ def trace_program(
       compiled = hlo_model.compiled_values(
         flat, target, signature.donated_leaves, scopes=merged_index
       )
-  return build_program(
+  program = build_program(
     closed,
     fold=fold,
     costs_mode=costs,
@@ -157,6 +164,7 @@ def trace_program(
     target=target,
     compiled=compiled,
   )
+  return dataclasses.replace(program, loops=loop_lines) if loop_lines else program
 
 
 _MODELS = ("auto", "rules", "compiler")

@@ -1,0 +1,301 @@
+"""Loops that store less for the backward pass: a forward `scan` and the scan that reads
+its residuals, rewritten so that each iteration stores what the plan chose.
+
+JAX differentiates a `lax.scan` into a forward scan that stacks, over its iterations,
+every residual its backward scan reads (for a scan over layers, usually the step's
+peak), and that backward scan. `residual_loops` finds such pairs in a flat jaxpr and
+states each body's choice as a `solvers.residuals.BodyProblem`; `store_less` rewrites
+the pairs so that the forward scan stacks only the values chosen and the backward body
+recomputes the rest from them, per iteration. Both stay loops: the compiled program
+stays O(1) in the trip count, and XLA cannot merge the backward body's recomputation
+with the forward body's (they are different loops), so no fence is needed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from jaxremat._src import capture, compat, costs
+from jaxremat._src.solvers.residuals import BodyChoice, BodyProblem, choose_stored
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualLoop:
+  """A forward scan whose stacked outputs ``residuals`` only one backward scan reads.
+
+  Attributes:
+    forward: index of the forward scan in the flat jaxpr's equations.
+    backward: index of the backward scan.
+    residuals: positions among the forward body's outputs of the residuals (each read
+      by the backward scan alone, as stacked inputs).
+    problem: the body's choice (`BodyProblem`), values numbered as in ``body_vars``.
+    body_vars: the forward body's variables, in the problem's order.
+    eqn_names: the forward body's equations as ``primitive at source``, in the
+      problem's order.
+    source: where the loop is in the user's code.
+  """
+
+  forward: int
+  backward: int
+  residuals: tuple[int, ...]
+  problem: BodyProblem
+  body_vars: tuple[Any, ...]
+  eqn_names: tuple[str, ...]
+  source: str
+
+  def describe(self, choice: BodyChoice) -> str:
+    """One line: the loop, what each iteration stores and what it recomputes."""
+    trips = self.problem.trips
+    was = self.problem.stored_bytes(self.problem.residuals) // trips
+    counts = collections.Counter(self.eqn_names[e] for e in choice.recomputed)
+    recomputed = "; ".join(f"{n} x {name}" for name, n in counts.most_common())
+    return (
+      f"scan at {self.source} ({trips} iterations) stores {len(choice.stored)} value(s), "
+      f"{choice.stored_bytes // trips} bytes per iteration (was {was}); the backward pass "
+      f"recomputes {len(choice.recomputed)} equation(s)" + (f": {recomputed}" if recomputed else "")
+    )
+
+
+def residual_loops(closed: Any) -> list[ResidualLoop]:
+  """The forward/backward scan pairs of flat ``closed`` whose residuals a plan may store
+  differently."""
+  jaxpr, _ = compat.open_jaxpr(closed)
+  readers: dict[Any, list[tuple[int, int]]] = {}  # var -> [(equation, operand position)]
+  for k, eqn in enumerate(jaxpr.eqns):
+    for pos, v in enumerate(eqn.invars):
+      if not isinstance(v, compat.Literal):
+        readers.setdefault(v, []).append((k, pos))
+  outputs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
+  loops = []
+  for k, eqn in enumerate(jaxpr.eqns):
+    if eqn.primitive.name != "scan" or eqn.effects:
+      continue
+    n_carry = eqn.params["num_carry"]
+    residuals, backward = [], None
+    for pos, v in enumerate(eqn.outvars[n_carry:], start=n_carry):
+      if isinstance(v, compat.DropVar) or v in outputs or v not in readers:
+        continue
+      scans = {r for r, p in readers[v] if _reads_as_stacked_input(jaxpr.eqns[r], p)}
+      if len(scans) == 1 and len(readers[v]) == len([1 for r, p in readers[v] if r in scans]):
+        (r,) = scans
+        if backward in (None, r):
+          backward = r
+          residuals.append(pos)
+    if backward is None:
+      continue
+    problem, body_vars = _body_problem(eqn, residuals)
+    names = tuple(
+      f"{e.primitive.name} at {compat.eqn_source(e)}"
+      for e in compat.open_jaxpr(eqn.params["jaxpr"])[0].eqns
+    )
+    loops.append(
+      ResidualLoop(k, backward, tuple(residuals), problem, body_vars, names, compat.eqn_source(eqn))
+    )
+  return loops
+
+
+def shed_residuals(closed: Any, shed_bytes: int) -> tuple[Any, tuple[str, ...]]:
+  """``closed`` with its loops storing at least ``shed_bytes`` less for the backward pass
+  at the fewest recomputed FLOPs (the least any choice stores, where none sheds that
+  much), and one line per loop rewritten (`ResidualLoop.describe`)."""
+  found = residual_loops(closed)
+  if not found or shed_bytes <= 0:
+    return closed, ()
+  problems = [loop.problem for loop in found]
+  stacked = sum(p.stored_bytes(p.residuals) for p in problems)
+  choices = choose_stored(problems, stacked - shed_bytes) or choose_stored(problems, None)
+  if choices is None:
+    return closed, ()
+  return store_less(closed, found, choices), tuple(
+    loop.describe(c) for loop, c in zip(found, choices, strict=True)
+  )
+
+
+def store_less(closed: Any, loops: Sequence[ResidualLoop], choices: Sequence[BodyChoice]) -> Any:
+  """``closed`` with each loop's forward scan stacking ``choice.stored`` in place of its
+  residuals and its backward scan recomputing the others per iteration
+  (``choice.recomputed``)."""
+  jaxpr, _ = compat.open_jaxpr(closed)
+  plans = {}  # forward equation -> (loop, choice, {backward xs position: body var})
+  for loop, choice in zip(loops, choices, strict=True):
+    forward, backward = jaxpr.eqns[loop.forward], jaxpr.eqns[loop.backward]
+    fbody, _ = compat.open_jaxpr(forward.params["jaxpr"])
+    stands_for = {forward.outvars[p]: fbody.outvars[p] for p in loop.residuals}
+    _, _, xs = _split(backward, backward.invars)
+    dropped = {i: stands_for[v] for i, v in enumerate(xs) if v in stands_for}
+    plans[loop.forward] = (loop, choice, dropped)
+  backward_of = {loop.backward: loop.forward for loop in loops}
+  stacked: dict[int, tuple[list[Any], list[Any]]] = {}  # forward -> (stored, its invals)
+
+  def run_eqn(k: int, eqn: Any, invals: list[Any]) -> list[Any] | None:
+    if k in plans:
+      loop, choice, _ = plans[k]
+      outs, stored = _forward(eqn, invals, loop, choice)
+      stacked[k] = (stored, invals)
+      return outs
+    if k in backward_of:
+      f = backward_of[k]
+      loop, choice, dropped = plans[f]
+      stored, forward_invals = stacked[f]
+      return _backward(eqn, invals, jaxpr.eqns[f], forward_invals, loop, choice, stored, dropped)
+    return None
+
+  return capture.retrace(closed, run_eqn)
+
+
+# -- the body as a knapsack -------------------------------------------------------------
+
+
+def _reads_as_stacked_input(eqn: Any, pos: int) -> bool:
+  return (
+    eqn.primitive.name == "scan"
+    and not eqn.effects
+    and pos >= eqn.params["num_consts"] + eqn.params["num_carry"]
+  )
+
+
+def _body_problem(eqn: Any, residuals: Sequence[int]) -> tuple[BodyProblem, tuple[Any, ...]]:
+  body, _ = compat.open_jaxpr(eqn.params["jaxpr"])
+  n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+  index: dict[Any, int] = {}
+  values: list[Any] = []
+
+  def number(v: Any) -> int:
+    if v not in index:
+      index[v] = len(values)
+      values.append(v)
+    return index[v]
+
+  free = set()
+  for pos, v in enumerate([*body.constvars, *body.invars]):
+    k = number(v)
+    carry = len(body.constvars) + n_consts <= pos < len(body.constvars) + n_consts + n_carry
+    if not carry:
+      free.add(k)
+  producer = [-1] * len(values)
+  eqn_operands, eqn_flops, recomputable = [], [], []
+  for e, inner in enumerate(body.eqns):
+    eqn_operands.append(tuple(number(v) for v in inner.invars if not isinstance(v, compat.Literal)))
+    for v in inner.outvars:
+      if not isinstance(v, compat.DropVar):
+        number(v)
+        producer += [-1] * (len(values) - len(producer))
+        producer[index[v]] = e
+    eqn_flops.append(costs.shape_flops(inner))
+    recomputable.append(not inner.effects)
+  producer += [-1] * (len(values) - len(producer))
+  residual_vars = [body.outvars[p] for p in residuals]
+  problem = BodyProblem(
+    trips=eqn.params["length"],
+    value_bytes=tuple(compat.aval_bytes(v.aval) for v in values),
+    free=frozenset(free),
+    producer=tuple(producer),
+    eqn_operands=tuple(eqn_operands),
+    eqn_flops=tuple(eqn_flops),
+    recomputable=tuple(recomputable),
+    residuals=tuple(number(v) for v in residual_vars if not isinstance(v, compat.Literal)),
+  )
+  return problem, tuple(values)
+
+
+# -- the rewrite --------------------------------------------------------------------------
+
+
+def _split(eqn: Any, values: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+  n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+  return (
+    list(values[:n_consts]),
+    list(values[n_consts : n_consts + n_carry]),
+    list(values[n_consts + n_carry :]),
+  )
+
+
+def _scan(eqn: Any, body_fn, init: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
+  carry, ys = jax.lax.scan(
+    body_fn,
+    init,
+    xs,
+    length=eqn.params["length"],
+    reverse=eqn.params["reverse"],
+    unroll=eqn.params["unroll"],
+  )
+  return list(carry), list(ys)
+
+
+def _forward(
+  eqn: Any, invals: list[Any], loop: ResidualLoop, choice: BodyChoice
+) -> tuple[list[Any], list[Any]]:
+  """Runs the forward scan stacking its outputs other than the residuals and the values
+  ``choice`` stores. Returns its outputs (None for the residuals) and the stacked stored
+  values, in ``sorted(choice.stored)`` order."""
+  body, body_consts = compat.open_jaxpr(eqn.params["jaxpr"])
+  consts, init, xs = _split(eqn, invals)
+  n_carry = eqn.params["num_carry"]
+  residuals = set(loop.residuals)
+  kept_ys = [p for p in range(n_carry, len(body.outvars)) if p not in residuals]
+  stored = [loop.body_vars[v] for v in sorted(choice.stored)]
+
+  def step(carry, x):
+    env = capture.evaluate(body, body_consts, [*consts, *carry, *x])
+    outs = [capture.read(env, v) for v in body.outvars]
+    return outs[:n_carry], ([outs[p] for p in kept_ys], [capture.read(env, v) for v in stored])
+
+  carry, (ys, stacked) = _scan(eqn, step, init, xs)
+  outs: list[Any] = [*carry] + [None] * (len(body.outvars) - n_carry)
+  for p, y in zip(kept_ys, ys, strict=True):
+    outs[p] = y
+  return outs, list(stacked)
+
+
+def _backward(
+  eqn: Any,
+  invals: list[Any],
+  forward: Any,
+  forward_invals: list[Any],
+  loop: ResidualLoop,
+  choice: BodyChoice,
+  stored: list[Any],
+  dropped: dict[int, Any],
+) -> list[Any]:
+  """Runs the backward scan with the residuals at its stacked inputs ``dropped`` read,
+  per iteration, from the stored values or recomputed from them, the forward loop's
+  constants and its stacked inputs."""
+  fbody, fbody_consts = compat.open_jaxpr(forward.params["jaxpr"])
+  f_consts, _, f_xs = _split(forward, forward_invals)
+  f_const_vars, _, f_xs_vars = _split(forward, fbody.invars)
+  body, body_consts = compat.open_jaxpr(eqn.params["jaxpr"])
+  consts, init, xs = _split(eqn, invals)
+  n_carry = eqn.params["num_carry"]
+  stored_vars = [loop.body_vars[v] for v in sorted(choice.stored)]
+  recompute = [fbody.eqns[e] for e in sorted(choice.recomputed)]
+  live_xs = [x for i, x in enumerate(xs) if i not in dropped]
+  # Only the forward loop's inputs that the recomputation reads: a while loop's operands
+  # are its buffers.
+  needed = {v for e in recompute for v in e.invars if not isinstance(v, compat.Literal)} | set(
+    dropped.values()
+  )
+  f_consts = [c for v, c in zip(f_const_vars, f_consts, strict=True) if v in needed]
+  f_const_vars = [v for v in f_const_vars if v in needed]
+  f_xs = [x for v, x in zip(f_xs_vars, f_xs, strict=True) if v in needed]
+  f_xs_vars = [v for v in f_xs_vars if v in needed]
+
+  def step(carry, x):
+    x_live, x_stored, x_forward = x
+    env = dict(zip(fbody.constvars, fbody_consts, strict=True))
+    env.update(zip(f_const_vars, f_consts, strict=True))
+    env.update(zip(f_xs_vars, x_forward, strict=True))
+    env.update(zip(stored_vars, x_stored, strict=True))
+    capture.evaluate_eqns(recompute, env)
+    live = iter(x_live)
+    x_full = [capture.read(env, dropped[i]) if i in dropped else next(live) for i in range(len(xs))]
+    out_env = capture.evaluate(body, body_consts, [*consts, *carry, *x_full])
+    result = [capture.read(out_env, v) for v in body.outvars]
+    return result[:n_carry], result[n_carry:]
+
+  carry, ys = _scan(eqn, step, init, [live_xs, stored, f_xs])
+  return [*carry, *ys]
