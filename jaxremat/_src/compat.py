@@ -133,6 +133,17 @@ def inner_jaxprs(eqn: Any) -> list[Any]:
   return out
 
 
+def scan_counts(eqn: Any) -> tuple[int, int]:
+  """``(constants, carried values)`` among a scan's flat operands: jax 0.10 names the
+  counts in its params, jax 0.11 gives the operands' tree (``ft_in``: constants, carry,
+  stacked inputs)."""
+  params = eqn.params
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = (len(part) for part in params["ft_in"].unpack())
+  return consts, carry
+
+
 def is_extended_dtype(dtype: Any) -> bool:
   """Whether ``dtype`` is an extended dtype (PRNG keys) stored as a base array."""
   return isinstance(dtype, _dtypes.ExtendedDType)

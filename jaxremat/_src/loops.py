@@ -75,7 +75,7 @@ def residual_loops(closed: Any) -> list[ResidualLoop]:
   for k, eqn in enumerate(jaxpr.eqns):
     if eqn.primitive.name != "scan" or eqn.effects:
       continue
-    n_carry = eqn.params["num_carry"]
+    _, n_carry = compat.scan_counts(eqn)
     residuals, backward = [], None
     for pos, v in enumerate(eqn.outvars[n_carry:], start=n_carry):
       if isinstance(v, compat.DropVar) or v in outputs or v not in readers:
@@ -152,16 +152,12 @@ def store_less(closed: Any, loops: Sequence[ResidualLoop], choices: Sequence[Bod
 
 
 def _reads_as_stacked_input(eqn: Any, pos: int) -> bool:
-  return (
-    eqn.primitive.name == "scan"
-    and not eqn.effects
-    and pos >= eqn.params["num_consts"] + eqn.params["num_carry"]
-  )
+  return eqn.primitive.name == "scan" and not eqn.effects and pos >= sum(compat.scan_counts(eqn))
 
 
 def _body_problem(eqn: Any, residuals: Sequence[int]) -> tuple[BodyProblem, tuple[Any, ...]]:
   body, _ = compat.open_jaxpr(eqn.params["jaxpr"])
-  n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+  n_consts, n_carry = compat.scan_counts(eqn)
   index: dict[Any, int] = {}
   values: list[Any] = []
 
@@ -207,7 +203,7 @@ def _body_problem(eqn: Any, residuals: Sequence[int]) -> tuple[BodyProblem, tupl
 
 
 def _split(eqn: Any, values: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any]]:
-  n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+  n_consts, n_carry = compat.scan_counts(eqn)
   return (
     list(values[:n_consts]),
     list(values[n_consts : n_consts + n_carry]),
@@ -235,7 +231,7 @@ def _forward(
   values, in ``sorted(choice.stored)`` order."""
   body, body_consts = compat.open_jaxpr(eqn.params["jaxpr"])
   consts, init, xs = _split(eqn, invals)
-  n_carry = eqn.params["num_carry"]
+  _, n_carry = compat.scan_counts(eqn)
   residuals = set(loop.residuals)
   kept_ys = [p for p in range(n_carry, len(body.outvars)) if p not in residuals]
   stored = [loop.body_vars[v] for v in sorted(choice.stored)]
@@ -270,7 +266,7 @@ def _backward(
   f_const_vars, _, f_xs_vars = _split(forward, fbody.invars)
   body, body_consts = compat.open_jaxpr(eqn.params["jaxpr"])
   consts, init, xs = _split(eqn, invals)
-  n_carry = eqn.params["num_carry"]
+  _, n_carry = compat.scan_counts(eqn)
   stored_vars = [loop.body_vars[v] for v in sorted(choice.stored)]
   recompute = [fbody.eqns[e] for e in sorted(choice.recomputed)]
   live_xs = [x for i, x in enumerate(xs) if i not in dropped]
