@@ -10,7 +10,9 @@ the model's blocks with `jax.checkpoint` (see ``examples._common.checkpointed_lo
 ``flax_cnn`` (Flax linen: BatchNorm, Dropout, AdamW with a float learning rate) and
 ``equinox_transformer`` (Equinox, Adam) write their steps as those libraries' users do, with
 static and donated arguments; each has ``make_train_step(size) -> (step, args, kwargs)``
-for ``size`` ``"small"`` or ``"default"`` and is not in `EXAMPLES`.
+for ``size`` ``"small"`` or ``"default"`` and is not in `EXAMPLES`. ``scanned_gpt`` is the
+GPT with its layers under `lax.scan` (stacked weights); its ``loss(..., checkpoint=...)``
+takes a `jax.checkpoint_policies` name for the scan body or ``"nested"`` (sqrt(L) groups).
 """
 
 import importlib
