@@ -164,22 +164,47 @@ def _scanned_mlp_grad(checkpoint_body: bool):
   return jax.grad(loss), (weights, jax.random.normal(keys[1], (2048, 256)))
 
 
-def test_a_budget_a_loop_keeps_out_of_reach_names_the_loop_and_what_to_do():
-  """A scan is one node: what its iterations keep for the backward pass is kept or
-  recomputed whole. The error names the loop and its source line, and its advice works:
-  the budget is the peak of the step with the body under `jax.checkpoint` (x0.47 of the
-  plain step's on jax 0.10's XLA:CPU, x0.64 on 0.11's), which the plain step misses."""
+def test_a_scanned_step_meets_what_jax_checkpoint_on_its_body_reaches():
+  """The budget is the peak of the step with its scan body under `jax.checkpoint`
+  (nothing_saveable: x0.47 of the plain step's on jax 0.10's XLA:CPU, x0.64 on 0.11's).
+  `optimize` plans inside the scan: each iteration stores its carry, as the policy
+  does, and the backward pass recomputes the product and its tanh, at no more FLOPs."""
   step, args = _scanned_mlp_grad(checkpoint_body=False)
   checkpointed, _ = _scanned_mlp_grad(checkpoint_body=True)
-  budget_bytes = jaxremat.measure(checkpointed, *args, runs=0).peak_bytes
-  fast = jaxremat.optimize(step, budget=budget_bytes, time_limit=20, progress=False)
+  policy = jaxremat.measure(checkpointed, *args, runs=0)
+  assert policy.peak_bytes < 0.7 * jaxremat.measure(step, *args, runs=0).peak_bytes
+  plan = jaxremat.optimize(step, budget=policy.peak_bytes, time_limit=20, progress=False).plan(
+    *args
+  )
+  assert plan.measured_peak_bytes <= policy.peak_bytes
+  assert plan.measurement.flops <= policy.flops
+  (line,) = plan.program.loops
+  assert f"{__file__.rsplit('/', 1)[-1]}:" in line and "dot_general" in line
+
+
+def test_a_loop_whose_stored_values_the_step_returns_is_named_when_a_budget_is_missed():
+  """Each iteration's output is both the step's output and what the backward pass reads,
+  which no rewrite of the loop stores less of: the budget is missed, and the error names
+  the loop and its source line."""
+
+  def body(h, w):
+    h = jnp.tanh(h @ w)
+    return h, h
+
+  def step(weights, x):
+    def loss(weights):
+      h, hs = jax.lax.scan(body, x, weights)
+      return jnp.mean(h**2), hs
+
+    return jax.value_and_grad(loss, has_aux=True)(weights)
+
+  _, args = _scanned_mlp_grad(checkpoint_body=False)
+  fast = jaxremat.optimize(step, budget=0.3, time_limit=20, progress=False)
   with pytest.raises(jaxremat.BudgetNotMetError) as info:
     fast(*args)
   message = str(info.value)
   assert "The step's `scan` at " in message and f"{__file__.rsplit('/', 1)[-1]}:" in message
-  assert "jax.checkpoint" in message and "does not plan inside loop bodies" in message
-  plan = jaxremat.optimize(checkpointed, budget=budget_bytes, time_limit=20).plan(*args)
-  assert plan.measured_peak_bytes <= budget_bytes
+  assert "jax.checkpoint" in message
 
 
 def test_max_replans_bounds_the_plans_compiled(tmp_path):

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from jaxremat._src import capture, compat, costs
 from jaxremat._src.solvers.residuals import BodyChoice, BodyProblem, choose_stored
+
+# Counts each of a sequence of equations' FLOPs; None: from shapes.
+FlopsOf = Callable[[Sequence[Any]], list[float]] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +64,10 @@ class ResidualLoop:
     )
 
 
-def residual_loops(closed: Any) -> list[ResidualLoop]:
+def residual_loops(closed: Any, flops_of: FlopsOf = None) -> list[ResidualLoop]:
   """The forward/backward scan pairs of flat ``closed`` whose residuals a plan may store
-  differently."""
+  differently. ``flops_of(eqns)`` counts each body equation's FLOPs (default: from
+  shapes, `costs.shape_flops`)."""
   jaxpr, _ = compat.open_jaxpr(closed)
   readers: dict[Any, list[tuple[int, int]]] = {}  # var -> [(equation, operand position)]
   for k, eqn in enumerate(jaxpr.eqns):
@@ -88,7 +92,7 @@ def residual_loops(closed: Any) -> list[ResidualLoop]:
           residuals.append(pos)
     if backward is None:
       continue
-    problem, body_vars = _body_problem(eqn, residuals)
+    problem, body_vars = _body_problem(eqn, residuals, flops_of)
     names = tuple(
       f"{e.primitive.name} at {compat.eqn_source(e)}"
       for e in compat.open_jaxpr(eqn.params["jaxpr"])[0].eqns
@@ -99,12 +103,17 @@ def residual_loops(closed: Any) -> list[ResidualLoop]:
   return loops
 
 
-def shed_residuals(closed: Any, shed_bytes: int) -> tuple[Any, tuple[str, ...]]:
+def shed_residuals(
+  closed: Any, shed_bytes: int, flops_of: FlopsOf = None
+) -> tuple[Any, tuple[str, ...]]:
   """``closed`` with its loops storing at least ``shed_bytes`` less for the backward pass
-  at the fewest recomputed FLOPs (the least any choice stores, where none sheds that
-  much), and one line per loop rewritten (`ResidualLoop.describe`)."""
-  found = residual_loops(closed)
-  if not found or shed_bytes <= 0:
+  at the fewest recomputed FLOPs (``flops_of``, as in `residual_loops`; the least any
+  choice stores, where none sheds that much), and one line per loop rewritten
+  (`ResidualLoop.describe`)."""
+  if shed_bytes <= 0:
+    return closed, ()
+  found = residual_loops(closed, flops_of)
+  if not found:
     return closed, ()
   problems = [loop.problem for loop in found]
   stacked = sum(p.stored_bytes(p.residuals) for p in problems)
@@ -155,7 +164,9 @@ def _reads_as_stacked_input(eqn: Any, pos: int) -> bool:
   return eqn.primitive.name == "scan" and not eqn.effects and pos >= sum(compat.scan_counts(eqn))
 
 
-def _body_problem(eqn: Any, residuals: Sequence[int]) -> tuple[BodyProblem, tuple[Any, ...]]:
+def _body_problem(
+  eqn: Any, residuals: Sequence[int], flops_of: FlopsOf
+) -> tuple[BodyProblem, tuple[Any, ...]]:
   body, _ = compat.open_jaxpr(eqn.params["jaxpr"])
   n_consts, n_carry = compat.scan_counts(eqn)
   index: dict[Any, int] = {}
@@ -174,7 +185,7 @@ def _body_problem(eqn: Any, residuals: Sequence[int]) -> tuple[BodyProblem, tupl
     if not carry:
       free.add(k)
   producer = [-1] * len(values)
-  eqn_operands, eqn_flops, recomputable = [], [], []
+  eqn_operands, recomputable = [], []
   for e, inner in enumerate(body.eqns):
     eqn_operands.append(tuple(number(v) for v in inner.invars if not isinstance(v, compat.Literal)))
     for v in inner.outvars:
@@ -182,9 +193,9 @@ def _body_problem(eqn: Any, residuals: Sequence[int]) -> tuple[BodyProblem, tupl
         number(v)
         producer += [-1] * (len(values) - len(producer))
         producer[index[v]] = e
-    eqn_flops.append(costs.shape_flops(inner))
     recomputable.append(not inner.effects)
   producer += [-1] * (len(values) - len(producer))
+  eqn_flops = flops_of(body.eqns) if flops_of else [costs.shape_flops(e) for e in body.eqns]
   residual_vars = [body.outvars[p] for p in residuals]
   problem = BodyProblem(
     trips=eqn.params["length"],
@@ -277,14 +288,25 @@ def _backward(
   )
   f_consts = [c for v, c in zip(f_const_vars, f_consts, strict=True) if v in needed]
   f_const_vars = [v for v in f_const_vars if v in needed]
-  f_xs = [x for v, x in zip(f_xs_vars, f_xs, strict=True) if v in needed]
-  f_xs_vars = [v for v in f_xs_vars if v in needed]
+  # A stacked input the backward scan reads already is read from its own slice: passed
+  # twice, XLA would copy it to give the loop two buffers.
+  already = {}  # forward body var -> position among live_xs
+  extra_vars, extra = [], []
+  for v, x in zip(f_xs_vars, f_xs, strict=True):
+    if v in needed:
+      j = next((j for j, y in enumerate(live_xs) if y is x), None)
+      if j is None:
+        extra_vars.append(v)
+        extra.append(x)
+      else:
+        already[v] = j
 
   def step(carry, x):
-    x_live, x_stored, x_forward = x
+    x_live, x_stored, x_extra = x
     env = dict(zip(fbody.constvars, fbody_consts, strict=True))
     env.update(zip(f_const_vars, f_consts, strict=True))
-    env.update(zip(f_xs_vars, x_forward, strict=True))
+    env.update(zip(extra_vars, x_extra, strict=True))
+    env.update((v, x_live[j]) for v, j in already.items())
     env.update(zip(stored_vars, x_stored, strict=True))
     capture.evaluate_eqns(recompute, env)
     live = iter(x_live)
@@ -293,5 +315,5 @@ def _backward(
     result = [capture.read(out_env, v) for v in body.outvars]
     return result[:n_carry], result[n_carry:]
 
-  carry, ys = _scan(eqn, step, init, [live_xs, stored, f_xs])
+  carry, ys = _scan(eqn, step, init, [live_xs, stored, extra])
   return [*carry, *ys]

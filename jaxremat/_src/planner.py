@@ -364,8 +364,10 @@ def _shed_loops(fn, args, kwargs, signature, leaves, budget_bytes, baseline, opt
   the solvers plan what is left."""
   shed, best = 0, None
   for _ in range(_LOOP_ROUNDS):
+    # The first rewrite sheds what XLA measures over the budget, each later one that
+    # much more and a margin.
     excess = (baseline if best is None else best[1]).peak_bytes - budget_bytes
-    shed += excess + int(_REPLAN_MARGIN * budget_bytes)
+    shed += excess + (0 if best is None else int(_REPLAN_MARGIN * budget_bytes))
     program = trace_program(
       fn,
       *args,

@@ -23,6 +23,7 @@ import jax
 
 from jaxremat._src import compat, hlo_model, jaxpr_text
 from jaxremat._src.capture import flatten_jaxpr, merge_repeats
+from jaxremat._src.costs import equation_costs
 from jaxremat._src.errors import UnsupportedError
 from jaxremat._src.graph import RematGraph
 from jaxremat._src.loops import shed_residuals
@@ -96,7 +97,8 @@ def trace_program(
       written, and the compiler on a GPU or TPU, with or without its devices here.
     shed_loop_bytes: bytes the step's differentiated `scan` loops store for the backward
       pass that the program stores less (`loops.shed_residuals`: each iteration stores
-      other values of its body and the backward pass recomputes the rest from them);
+      other values of its body and the backward pass recomputes the rest from them, at
+      the fewest FLOPs by the target compiler's count of each body equation);
       the program's ``loops`` says what each loop stores. 0: the loops as written.
     **kwargs: keyword arguments of ``fn``.
 
@@ -140,7 +142,21 @@ def trace_program(
     traced = jax.make_jaxpr(flat_fn)(*signature.specs)
   except jax.errors.ConcretizationTypeError as e:
     raise UnsupportedError(MSG_CONCRETE.format(name=fn_name, error=str(e).splitlines()[0])) from e
-  flat, loop_lines = shed_residuals(flatten_jaxpr(traced), shed_loop_bytes)
+  flat, loop_lines = shed_residuals(
+    flatten_jaxpr(traced),
+    shed_loop_bytes,
+    # The target compiler's FLOPs, as the planner compares plans by.
+    lambda eqns: [
+      c.flops
+      for c in equation_costs(
+        eqns,
+        mode="shape" if costs == "shape" else "xla",
+        cache_dir=cache_dir,
+        time_limit_s=cost_time_limit,
+        target=target,
+      )
+    ],
+  )
   closed, compiled = flat, None
   if model == "compiler":
     closed, merged_index = merge_repeats(flat)
