@@ -115,3 +115,42 @@ def test_a_budget_the_step_meets_keeps_its_loops_as_written(tmp_path):
   fast = jaxremat.optimize(step, budget=1.0, time_limit=30, cache_dir=str(tmp_path), progress=False)
   np.testing.assert_allclose(fast(*args)[0], step(*args)[0], rtol=1e-6)
   assert fast.plan(*args).program.loops == ()
+
+
+def test_a_flax_nn_scan_step_meets_a_budget_below_what_its_layers_store(tmp_path):
+  import flax.linen as nn
+  import optax
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      h = nn.gelu(nn.Dense(256)(nn.LayerNorm()(x)))
+      return x + nn.Dense(64)(h), None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=6)
+      return nn.Dense(10)(stack()(x, None)[0])
+
+  model, optimizer = Model(), optax.adam(1e-3)
+  x = jax.random.normal(jax.random.key(2), (512, 64))
+  labels = jnp.arange(512) % 10
+  params = model.init(jax.random.key(0), x)
+
+  def step(params, opt_state, x, labels):
+    def loss(p):
+      logits = model.apply(p, x)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  args = (params, optimizer.init(params), x, labels)
+  original = jaxremat.measure(step, *args, runs=0)
+  fast = jaxremat.optimize(step, budget=0.5, time_limit=60, cache_dir=str(tmp_path), progress=False)
+  fast(*args)
+  plan = fast.plan(*args)
+  assert plan.measured_peak_bytes <= plan.budget_bytes <= 0.5 * original.peak_bytes + 1
+  assert plan.verification.outputs_match and len(plan.program.loops) == 1

@@ -257,7 +257,7 @@ def make_plan(
   planned, original_program = baseline, program
   if budget_bytes < baseline.peak_bytes and residual_loops(program.jaxpr):
     program, planned = _shed_loops(
-      fn, args, kwargs, signature, leaves, budget_bytes, baseline, opts
+      fn, args, kwargs, signature, leaves, budget_bytes, baseline, opts, deadline
     )
   keys = _cache_keys(program, signature, budget_bytes, opts)
   cache = PlanCache(opts.cache_dir) if opts.use_cache else None
@@ -353,21 +353,21 @@ def make_plan(
   return plan
 
 
-def _shed_loops(fn, args, kwargs, signature, leaves, budget_bytes, baseline, opts):
+def _shed_loops(fn, args, kwargs, signature, leaves, budget_bytes, baseline, opts, deadline):
   """The step with its loops storing less for the backward pass, by as much as XLA
   measures it over ``budget_bytes`` (`loops.shed_residuals`), and its compiler figures.
 
   The residuals a forward scan stacks over its iterations are usually the step's peak,
   and the graph's solvers can keep or recompute them only whole; inside the loop body
-  each iteration's choice is cheap to make exactly. Where XLA measures the rewritten step
-  still over the budget, the loops shed that much more (`_LOOP_ROUNDS` times at most);
-  the solvers plan what is left."""
-  shed, best = 0, None
+  each iteration's choice is cheap to make exactly. A rewrite XLA measures over the
+  budget is followed by one that sheds that much more and a margin; one it measures
+  more than the margin under the budget, by one that sheds that much less (fewer
+  FLOPs), kept where it meets the budget too. At most `_LOOP_ROUNDS` rewrites, within
+  half the time limit; the solvers plan what is left."""
+  margin = int(_REPLAN_MARGIN * budget_bytes)
+  shed = baseline.peak_bytes - budget_bytes
+  met = last = None  # (program, measurement): the last rewrite that met the budget; the last
   for _ in range(_LOOP_ROUNDS):
-    # The first rewrite sheds what XLA measures over the budget, each later one that
-    # much more and a margin.
-    excess = (baseline if best is None else best[1]).peak_bytes - budget_bytes
-    shed += excess + (0 if best is None else int(_REPLAN_MARGIN * budget_bytes))
     program = trace_program(
       fn,
       *args,
@@ -378,17 +378,23 @@ def _shed_loops(fn, args, kwargs, signature, leaves, budget_bytes, baseline, opt
       shed_loop_bytes=shed,
       **kwargs,
     )
-    if not program.loops or (best is not None and program.loops == best[0].loops):
-      break  # the loops store no less
+    if not program.loops or (last is not None and program.loops == last[0].loops):
+      break  # the loops store no less, or no differently
     measured = program.baseline or _measure_program(program, signature, leaves, opts.target)
-    best = (program, measured)
-    if measured.peak_bytes <= budget_bytes:
+    last = (program, measured)
+    over = measured.peak_bytes - budget_bytes
+    if over <= 0:
+      met = last
+    elif met is not None:
+      break  # shedding less missed: keep the rewrite that met
+    if -margin <= over <= 0 or deadline.left_s() < opts.time_limit / 2:
       break
-  return best if best is not None else (program, baseline)
+    shed += over + margin if over > 0 else over
+  return met or last or (program, baseline)
 
 
-# Rewrites of the loops tried at most, each after XLA measured the last one over the budget.
-_LOOP_ROUNDS = 3
+# Rewrites of the loops compiled at most (`_shed_loops`).
+_LOOP_ROUNDS = 4
 
 
 def _measure_program(
