@@ -23,8 +23,8 @@ import jax
 from jaxremat._src import capture, compat, costs
 from jaxremat._src.solvers.residuals import BodyChoice, BodyProblem, choose_stored
 
-# Counts each of a sequence of equations' FLOPs; None: from shapes.
-FlopsOf = Callable[[Sequence[Any]], list[float]] | None
+# Counts the FLOPs of each of a sequence of equations.
+FlopsOf = Callable[[Sequence[Any]], list[float]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,7 @@ class ResidualLoop:
     )
 
 
-def residual_loops(closed: Any, flops_of: FlopsOf = None) -> list[ResidualLoop]:
+def residual_loops(closed: Any, flops_of: FlopsOf | None = None) -> list[ResidualLoop]:
   """The forward/backward scan pairs of flat ``closed`` whose residuals a plan may store
   differently. ``flops_of(eqns)`` counts each body equation's FLOPs (default: from
   shapes, `costs.shape_flops`)."""
@@ -104,7 +104,7 @@ def residual_loops(closed: Any, flops_of: FlopsOf = None) -> list[ResidualLoop]:
 
 
 def shed_residuals(
-  closed: Any, shed_bytes: int, flops_of: FlopsOf = None
+  closed: Any, shed_bytes: int, flops_of: FlopsOf | None = None
 ) -> tuple[Any, tuple[str, ...]]:
   """``closed`` with its loops storing at least ``shed_bytes`` less for the backward pass
   at the fewest recomputed FLOPs (``flops_of``, as in `residual_loops`; the least any
@@ -165,7 +165,7 @@ def _reads_as_stacked_input(eqn: Any, pos: int) -> bool:
 
 
 def _body_problem(
-  eqn: Any, residuals: Sequence[int], flops_of: FlopsOf
+  eqn: Any, residuals: Sequence[int], flops_of: FlopsOf | None
 ) -> tuple[BodyProblem, tuple[Any, ...]]:
   body, _ = compat.open_jaxpr(eqn.params["jaxpr"])
   n_consts, n_carry = compat.scan_counts(eqn)
@@ -184,27 +184,21 @@ def _body_problem(
     carry = len(body.constvars) + n_consts <= pos < len(body.constvars) + n_consts + n_carry
     if not carry:
       free.add(k)
-  producer = [-1] * len(values)
-  eqn_operands, recomputable = [], []
+  producer: dict[int, int] = {}  # value -> the equation computing it
+  eqn_operands = []
   for e, inner in enumerate(body.eqns):
     eqn_operands.append(tuple(number(v) for v in inner.invars if not isinstance(v, compat.Literal)))
-    for v in inner.outvars:
-      if not isinstance(v, compat.DropVar):
-        number(v)
-        producer += [-1] * (len(values) - len(producer))
-        producer[index[v]] = e
-    recomputable.append(not inner.effects)
-  producer += [-1] * (len(values) - len(producer))
+    producer.update((number(v), e) for v in inner.outvars if not isinstance(v, compat.DropVar))
   eqn_flops = flops_of(body.eqns) if flops_of else [costs.shape_flops(e) for e in body.eqns]
   residual_vars = [body.outvars[p] for p in residuals]
   problem = BodyProblem(
     trips=eqn.params["length"],
     value_bytes=tuple(compat.aval_bytes(v.aval) for v in values),
     free=frozenset(free),
-    producer=tuple(producer),
+    producer=tuple(producer.get(v, -1) for v in range(len(values))),
     eqn_operands=tuple(eqn_operands),
     eqn_flops=tuple(eqn_flops),
-    recomputable=tuple(recomputable),
+    recomputable=tuple(not e.effects for e in body.eqns),
     residuals=tuple(number(v) for v in residual_vars if not isinstance(v, compat.Literal)),
   )
   return problem, tuple(values)

@@ -359,15 +359,19 @@ def _shed_loops(fn, args, kwargs, signature, leaves, budget_bytes, baseline, opt
 
   The residuals a forward scan stacks over its iterations are usually the step's peak,
   and the graph's solvers can keep or recompute them only whole; inside the loop body
-  each iteration's choice is cheap to make exactly. A rewrite XLA measures over the
-  budget is followed by one that sheds that much more and a margin; one it measures
+  each iteration's choice is cheap to make exactly. The first rewrite sheds what XLA
+  measures the step over the budget and a margin. A rewrite XLA measures over the
+  budget is followed by one that sheds that much more and the margin; one it measures
   more than the margin under the budget, by one that sheds that much less (fewer
-  FLOPs), kept where it meets the budget too. At most `_LOOP_ROUNDS` rewrites, within
-  half the time limit; the solvers plan what is left."""
+  FLOPs), kept where it meets the budget too. At most `_LOOP_ROUNDS` rewrites, each
+  where twice the time the last one took is left; the solvers plan what is left."""
   margin = int(_REPLAN_MARGIN * budget_bytes)
-  shed = baseline.peak_bytes - budget_bytes
+  # On a TPU a rewrite takes a compile of the step (40-60 s for the scanned GPT example
+  # beside other work): the first is made to meet the budget with a margin.
+  shed = baseline.peak_bytes - budget_bytes + margin
   met = last = None  # (program, measurement): the last rewrite that met the budget; the last
   for _ in range(_LOOP_ROUNDS):
+    start_s = deadline.elapsed_s()
     program = trace_program(
       fn,
       *args,
@@ -387,7 +391,8 @@ def _shed_loops(fn, args, kwargs, signature, leaves, budget_bytes, baseline, opt
       met = last
     elif met is not None:
       break  # shedding less missed: keep the rewrite that met
-    if -margin <= over <= 0 or deadline.left_s() < opts.time_limit / 2:
+    # A next rewrite takes about as long as this one, and the plan needs time after it.
+    if -margin <= over <= 0 or deadline.left_s() < 2 * (deadline.elapsed_s() - start_s):
       break
     shed += over + margin if over > 0 else over
   return met or last or (program, baseline)
