@@ -11,6 +11,7 @@ Every plan it hands out was verified in this process, also one read from the pla
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import sys
@@ -230,7 +231,8 @@ def make_plan(
   opts = dataclasses.replace(opts, target=get_target(opts.target))
   if not any(signature.dynamic_mask):
     raise UnsupportedError(MSG_NO_ARRAYS.format(name=getattr(fn, "__name__", "the step")))
-  program = trace_program(
+  trace = functools.partial(
+    trace_program,
     fn,
     *args,
     signature=signature,
@@ -239,6 +241,7 @@ def make_plan(
     model=opts.model,
     **kwargs,
   )
+  program = trace()
   leaves = signature.dynamic_leaves(args, kwargs)
   # Tracing with the compiler's model compiled the step already; else the original's
   # executable is kept for verifying the plan.
@@ -256,9 +259,7 @@ def make_plan(
   # budget, and the compiler's figures for it.
   planned, original_program = baseline, program
   if budget_bytes < baseline.peak_bytes and residual_loops(program.jaxpr):
-    program, planned = _shed_loops(
-      fn, args, kwargs, signature, leaves, budget_bytes, baseline, opts, deadline
-    )
+    program, planned = _shed_loops(trace, signature, leaves, budget_bytes, baseline, opts, deadline)
   keys = _cache_keys(program, signature, budget_bytes, opts)
   cache = PlanCache(opts.cache_dir) if opts.use_cache else None
   loop = _Loop(program, signature, budget_bytes, opts, deadline, planned)
@@ -353,9 +354,10 @@ def make_plan(
   return plan
 
 
-def _shed_loops(fn, args, kwargs, signature, leaves, budget_bytes, baseline, opts, deadline):
-  """The step with its loops storing less for the backward pass, by as much as XLA
-  measures it over ``budget_bytes`` (`loops.shed_residuals`), and its compiler figures.
+def _shed_loops(trace, signature, leaves, budget_bytes, baseline, opts, deadline):
+  """The step (``trace(shed_loop_bytes=...)``, `trace_program`) with its loops storing
+  less for the backward pass, by as much as XLA measures it over ``budget_bytes``
+  (`loops.shed_residuals`), and its compiler figures.
 
   The residuals a forward scan stacks over its iterations are usually the step's peak,
   and the graph's solvers can keep or recompute them only whole; inside the loop body
@@ -372,16 +374,7 @@ def _shed_loops(fn, args, kwargs, signature, leaves, budget_bytes, baseline, opt
   met = last = None  # (program, measurement): the last rewrite that met the budget; the last
   for _ in range(_LOOP_ROUNDS):
     start_s = deadline.elapsed_s()
-    program = trace_program(
-      fn,
-      *args,
-      signature=signature,
-      cost_time_limit=_COSTS_SHARE * opts.time_limit,
-      target=opts.target,
-      model=opts.model,
-      shed_loop_bytes=shed,
-      **kwargs,
-    )
+    program = trace(shed_loop_bytes=shed)
     if not program.loops or (last is not None and program.loops == last[0].loops):
       break  # the loops store no less, or no differently
     measured = program.baseline or _measure_program(program, signature, leaves, opts.target)
