@@ -199,7 +199,10 @@ def test_a_loop_whose_stored_values_the_step_returns_is_named_when_a_budget_is_m
     return jax.value_and_grad(loss, has_aux=True)(weights)
 
   _, args = _scanned_mlp_grad(checkpoint_body=False)
-  fast = jaxremat.optimize(step, budget=0.3, time_limit=20, progress=False)
+  original = jaxremat.measure(step, *args, runs=0)
+  # Just above what the arguments and outputs take (1 MiB more): no proof rules it out.
+  budget = original.argument_bytes + original.output_bytes + 2**20
+  fast = jaxremat.optimize(step, budget=budget, time_limit=20, progress=False)
   with pytest.raises(jaxremat.BudgetNotMetError) as info:
     fast(*args)
   message = str(info.value)
