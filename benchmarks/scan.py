@@ -93,6 +93,7 @@ def main(argv=None) -> list[dict]:
         "predicted_bytes": stats["predicted_peak_bytes"],
         "plans": len(plan.attempts),
         "plan_s": round(time.perf_counter() - start, 1),
+        "solver": plan.schedule.solver,
         "loops": "; ".join(plan.program.loops),
       }
     )

@@ -27,23 +27,10 @@ def flatten_jaxpr(closed: Any) -> Any:
   equation's traceback and (outer + inner) name stack, and the `optimization_barrier`
   JAX lowers a backward pass's checkpoint behind. scan, while and cond stay.
   """
-  jaxpr, consts = compat.open_jaxpr(closed)
+  jaxpr, _ = compat.open_jaxpr(closed)
   if not any(compat.inline_body(e) is not None for e in jaxpr.eqns):
     return closed
-  specs = [
-    jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-    for v in jaxpr.invars
-  ]
-  # Closed-over constants must stay constvars: pass them in, then re-close.
-  n_consts = len(consts)
-
-  def run(*args):
-    return _eval_inlined(jaxpr, args[:n_consts], args[n_consts:])
-
-  const_specs = [abstract(c) if is_array(c) else c for c in consts]
-  flat = jax.make_jaxpr(run)(*const_specs, *specs)
-  inner, inner_consts = compat.open_jaxpr(flat)
-  return _close_over(inner, inner_consts, n_consts, consts)
+  return retrace(closed, lambda k, eqn, invals: _inlined(eqn, invals))
 
 
 def merge_repeats(closed: Any) -> tuple[Any, tuple[int, ...]]:
@@ -101,18 +88,7 @@ def retrace(closed: Any, run_eqn: Callable[[int, Any, list[Any]], list[Any] | No
   n_consts = len(consts)
 
   def run(*args):
-    env = dict(zip(jaxpr.constvars, args[:n_consts], strict=True))
-    env.update(zip(jaxpr.invars, args[n_consts:], strict=True))
-    outer = compat.current_name_stack()
-    for k, eqn in enumerate(jaxpr.eqns):
-      invals = [read(env, v) for v in eqn.invars]
-      with compat.user_context(eqn, outer):
-        outs = run_eqn(k, eqn, invals)
-      if outs is None:
-        _bind(eqn, invals, env, outer)
-      else:
-        _write(env, eqn.outvars, outs)
-    return [read(env, v) for v in jaxpr.outvars]
+    return _run_eqns(jaxpr, args[:n_consts], args[n_consts:], run_eqn)
 
   specs = [
     jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
@@ -121,6 +97,27 @@ def retrace(closed: Any, run_eqn: Callable[[int, Any, list[Any]], list[Any] | No
   const_specs = [abstract(c) if is_array(c) else c for c in consts]
   inner, inner_consts = compat.open_jaxpr(jax.make_jaxpr(run)(*const_specs, *specs))
   return _close_over(inner, inner_consts, n_consts, consts)
+
+
+def _run_eqns(
+  jaxpr: Any,
+  consts: Sequence[Any],
+  args: Sequence[Any],
+  run_eqn: Callable[[int, Any, list[Any]], list[Any] | None],
+) -> list[Any]:
+  """Evaluates ``jaxpr``, each equation by ``run_eqn`` (as in `retrace`) or bound."""
+  env = dict(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
+  outer = compat.current_name_stack()
+  for k, eqn in enumerate(jaxpr.eqns):
+    invals = [read(env, v) for v in eqn.invars]
+    with compat.user_context(eqn, outer):
+      outs = run_eqn(k, eqn, invals)
+    if outs is None:
+      _bind(eqn, invals, env, outer)
+    else:
+      _write(env, eqn.outvars, outs)
+  return [read(env, v) for v in jaxpr.outvars]
 
 
 def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> dict[Any, Any]:
@@ -165,37 +162,15 @@ def _close_over(jaxpr: Any, extra_consts: list[Any], n_consts: int, consts: list
   )
 
 
-def _eval_inlined(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-  """Evaluates ``jaxpr`` with call bodies inlined."""
-  env: dict[Any, Any] = {}
-
-  def read(v):
-    return v.val if isinstance(v, compat.Literal) else env[v]
-
-  def write(v, value):
-    if not isinstance(v, compat.DropVar):
-      env[v] = value
-
-  for v, x in zip(jaxpr.constvars, consts, strict=True):
-    write(v, x)
-  for v, x in zip(jaxpr.invars, args, strict=True):
-    write(v, x)
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    body = compat.inline_body(eqn)
-    with compat.user_context(eqn, compat.current_name_stack()):
-      if body is not None:
-        inner, inner_consts = body
-        invals = _behind_barrier(invals, compat.barrier_operands(eqn))
-        outs = _eval_inlined(inner, inner_consts, invals)
-      else:
-        with compat.eqn_ctx_manager(eqn):
-          outs = eqn.primitive.bind(*invals, **compat.bind_params(eqn))
-        if not eqn.primitive.multiple_results:
-          outs = [outs]
-    for v, x in zip(eqn.outvars, outs, strict=True):
-      write(v, x)
-  return [read(v) for v in jaxpr.outvars]
+def _inlined(eqn: Any, invals: list[Any]) -> list[Any] | None:
+  """The outputs of a call equation with its body evaluated in place, calls inside it
+  inlined too; None for any other equation."""
+  body = compat.inline_body(eqn)
+  if body is None:
+    return None
+  inner, inner_consts = body
+  invals = _behind_barrier(invals, compat.barrier_operands(eqn))
+  return _run_eqns(inner, inner_consts, invals, lambda k, e, xs: _inlined(e, xs))
 
 
 def _behind_barrier(values: list[Any], mask: Sequence[bool]) -> list[Any]:

@@ -403,9 +403,10 @@ def _measure_program(
   def flat(*xs):
     return compat.eval_closed_jaxpr(program.jaxpr, *xs)
 
-  return compile_and_measure(flat, *leaves, donate_argnums=signature.donated_leaves, target=target)[
-    1
-  ]
+  _, measurement = compile_and_measure(
+    flat, *leaves, donate_argnums=signature.donated_leaves, target=target
+  )
+  return measurement
 
 
 def least_compute(figures: Sequence[tuple[int, float | None, float]]) -> int:
