@@ -94,7 +94,7 @@ def main(argv=None) -> list[dict]:
         "plans": len(plan.attempts),
         "plan_s": round(time.perf_counter() - start, 1),
         "solver": plan.schedule.solver,
-        "loops": "; ".join(plan.program.loops),
+        "loops": "; ".join(loop.line for loop in plan.program.loops),
       }
     )
   for row in rows:

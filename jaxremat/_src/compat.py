@@ -144,6 +144,14 @@ def scan_counts(eqn: Any) -> tuple[int, int]:
   return consts, carry
 
 
+def policy_saves(policy: Any, eqn: Any) -> bool:
+  """Whether `jax.checkpoint` with ``policy`` (a `jax.checkpoint_policies` policy) saves
+  ``eqn``'s outputs for the backward pass, as it asks the policy: True or `Saveable`
+  (an `Offloadable` answer is a store to another memory, not one here)."""
+  saves = policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
+  return saves is True or type(saves).__name__ == "SaveableType"
+
+
 def is_extended_dtype(dtype: Any) -> bool:
   """Whether ``dtype`` is an extended dtype (PRNG keys) stored as a base array."""
   return isinstance(dtype, _dtypes.ExtendedDType)

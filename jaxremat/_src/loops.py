@@ -21,10 +21,27 @@ from typing import Any
 import jax
 
 from jaxremat._src import capture, compat, costs
-from jaxremat._src.solvers.residuals import BodyChoice, BodyProblem, choose_stored
+from jaxremat._src.solvers.residuals import BodyChoice, BodyProblem, choose_stored, policy_choice
 
 # Counts the FLOPs of each of a sequence of equations.
 FlopsOf = Callable[[Sequence[Any]], list[float]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopRewrite:
+  """One loop that stores less for the backward pass than the step as written.
+
+  Attributes:
+    line: the loop, what each iteration stores and what the backward pass recomputes,
+      with source lines, and who chose it.
+    stored_bytes: bytes stacked over the iterations.
+    recomputed_flops: FLOPs the backward pass recomputes over the iterations (the
+      target compiler's count of each body equation).
+  """
+
+  line: str
+  stored_bytes: int
+  recomputed_flops: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +55,7 @@ class ResidualLoop:
       by the backward scan alone, as stacked inputs).
     problem: the body's choice (`BodyProblem`), values numbered as in ``body_vars``.
     body_vars: the forward body's variables, in the problem's order.
-    eqn_names: the forward body's equations as ``primitive at source``, in the
-      problem's order.
+    body_eqns: the forward body's equations, in the problem's order.
     source: where the loop is in the user's code.
   """
 
@@ -48,20 +64,30 @@ class ResidualLoop:
   residuals: tuple[int, ...]
   problem: BodyProblem
   body_vars: tuple[Any, ...]
-  eqn_names: tuple[str, ...]
+  body_eqns: tuple[Any, ...]
   source: str
 
-  def describe(self, choice: BodyChoice) -> str:
-    """One line: the loop, what each iteration stores and what it recomputes."""
+  def policy_choice(self, policy: Callable[..., Any]) -> BodyChoice:
+    """What `jax.checkpoint` with ``policy`` on the body would store."""
+    saved = {e for e, eqn in enumerate(self.body_eqns) if compat.policy_saves(policy, eqn)}
+    return policy_choice(self.problem, saved)
+
+  def rewrite(self, choice: BodyChoice, chosen_by: str) -> LoopRewrite:
+    """The loop storing ``choice``, described in one line."""
     trips = self.problem.trips
     was = self.problem.stored_bytes(self.problem.residuals) // trips
-    counts = collections.Counter(self.eqn_names[e] for e in choice.recomputed)
-    recomputed = "; ".join(f"{n} x {name}" for name, n in counts.most_common())
-    return (
-      f"scan at {self.source} ({trips} iterations) stores {len(choice.stored)} value(s), "
-      f"{choice.stored_bytes // trips} bytes per iteration (was {was}); the backward pass "
-      f"recomputes {len(choice.recomputed)} equation(s)" + (f": {recomputed}" if recomputed else "")
+    counts = collections.Counter(
+      f"{self.body_eqns[e].primitive.name} at {compat.eqn_source(self.body_eqns[e])}"
+      for e in choice.recomputed
     )
+    recomputed = "; ".join(f"{n} x {name}" for name, n in counts.most_common())
+    line = (
+      f"scan at {self.source} ({trips} iterations) stores {len(choice.stored)} value(s), "
+      f"{choice.stored_bytes // trips} bytes per iteration (was {was}), as {chosen_by} "
+      f"chose; the backward pass recomputes {len(choice.recomputed)} equation(s)"
+      + (f": {recomputed}" if recomputed else "")
+    )
+    return LoopRewrite(line, choice.stored_bytes, choice.recomputed_flops)
 
 
 def residual_loops(closed: Any, flops_of: FlopsOf | None = None) -> list[ResidualLoop]:
@@ -93,35 +119,40 @@ def residual_loops(closed: Any, flops_of: FlopsOf | None = None) -> list[Residua
     if backward is None:
       continue
     problem, body_vars = _body_problem(eqn, residuals, flops_of)
-    names = tuple(
-      f"{e.primitive.name} at {compat.eqn_source(e)}"
-      for e in compat.open_jaxpr(eqn.params["jaxpr"])[0].eqns
-    )
+    body_eqns = tuple(compat.open_jaxpr(eqn.params["jaxpr"])[0].eqns)
     loops.append(
-      ResidualLoop(k, backward, tuple(residuals), problem, body_vars, names, compat.eqn_source(eqn))
+      ResidualLoop(
+        k, backward, tuple(residuals), problem, body_vars, body_eqns, compat.eqn_source(eqn)
+      )
     )
   return loops
 
 
 def shed_residuals(
-  closed: Any, shed_bytes: int, flops_of: FlopsOf | None = None
-) -> tuple[Any, tuple[str, ...]]:
+  closed: Any, shed_bytes: int, flops_of: FlopsOf | None = None, policy: str | None = None
+) -> tuple[Any, tuple[LoopRewrite, ...]]:
   """``closed`` with its loops storing at least ``shed_bytes`` less for the backward pass
   at the fewest recomputed FLOPs (``flops_of``, as in `residual_loops`; the least any
-  choice stores, where none sheds that much), and one line per loop rewritten
-  (`ResidualLoop.describe`)."""
-  if shed_bytes <= 0:
+  choice stores, where none sheds that much), and the loops rewritten. ``policy``: the
+  name of a `jax.checkpoint_policies` policy; each loop stores what `jax.checkpoint`
+  with it on the body would store, whatever ``shed_bytes``."""
+  if shed_bytes <= 0 and policy is None:
     return closed, ()
   found = residual_loops(closed, flops_of)
   if not found:
     return closed, ()
   problems = [loop.problem for loop in found]
-  stacked = sum(p.stored_bytes(p.residuals) for p in problems)
-  choices = choose_stored(problems, stacked - shed_bytes) or choose_stored(problems, None)
-  if choices is None:
-    return closed, ()
+  if policy is not None:
+    chosen_by = f"jax.checkpoint_policies.{policy}"
+    choices = [loop.policy_choice(getattr(jax.checkpoint_policies, policy)) for loop in found]
+  else:
+    chosen_by = "the knapsack"
+    stacked = sum(p.stored_bytes(p.residuals) for p in problems)
+    choices = choose_stored(problems, stacked - shed_bytes) or choose_stored(problems, None)
+    if choices is None:
+      return closed, ()
   return store_less(closed, found, choices), tuple(
-    loop.describe(c) for loop, c in zip(found, choices, strict=True)
+    loop.rewrite(c, chosen_by) for loop, c in zip(found, choices, strict=True)
   )
 
 

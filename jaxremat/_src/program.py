@@ -27,6 +27,7 @@ from jaxremat._src.fusion import (
   workspace_bytes,
 )
 from jaxremat._src.graph import Node, RematGraph, topological_order
+from jaxremat._src.loops import LoopRewrite
 from jaxremat._src.measure import Measurement
 from jaxremat._src.order import memory_minimizing_order
 from jaxremat._src.signature import CallSignature, OutputSplit, abstract
@@ -57,8 +58,8 @@ class Program:
       returned as they are; None for a jaxpr read from text.
     baseline: the target compiler's figures for the step, with its donation, where
       tracing compiled it (``model="compiler"``); else None.
-    loops: per loop that stores less for the backward pass than the step as written
-      (`loops.shed_residuals`), a line saying what it stores and recomputes.
+    loops: the loops that store less for the backward pass than the step as written
+      (`loops.shed_residuals`): what each stores and recomputes.
   """
 
   jaxpr: Any
@@ -68,7 +69,7 @@ class Program:
   signature: CallSignature | None = None
   outputs: OutputSplit | None = None
   baseline: Measurement | None = None
-  loops: tuple[str, ...] = ()
+  loops: tuple[LoopRewrite, ...] = ()
 
   @property
   def dynamic_mask(self) -> tuple[bool, ...]:

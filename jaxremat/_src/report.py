@@ -93,7 +93,7 @@ class Report:
     lines += [f"{a:<16}{b:>14}{c:>14}{d:>9}" for a, b, c, d in rows]
     if p.program.loops:
       lines += ["", "loops that store less for the backward pass:"]
-      lines += [f"  {line}" for line in p.program.loops]
+      lines += [f"  {loop.line}" for loop in p.program.loops]
     recomputed = self.recomputed()
     lines += [
       "",

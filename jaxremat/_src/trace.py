@@ -48,6 +48,7 @@ def trace_program(
   target: str | Target | None = None,
   model: str = "auto",
   shed_loop_bytes: int = 0,
+  loop_policy: str | None = None,
   **kwargs,
 ) -> Program:
   """Traces ``fn(*args, **kwargs)`` into a `Program` (flat jaxpr + `RematGraph`).
@@ -100,6 +101,9 @@ def trace_program(
       other values of its body and the backward pass recomputes the rest from them, at
       the fewest FLOPs by the target compiler's count of each body equation);
       the program's ``loops`` says what each loop stores. 0: the loops as written.
+    loop_policy: the name of a `jax.checkpoint_policies` policy (e.g. ``"dots_saveable"``):
+      each such loop stores what `jax.checkpoint` with it on the loop's body would,
+      whatever ``shed_loop_bytes``; None: the fewest FLOPs for ``shed_loop_bytes``.
     **kwargs: keyword arguments of ``fn``.
 
   Returns:
@@ -142,7 +146,7 @@ def trace_program(
     traced = jax.make_jaxpr(flat_fn)(*signature.specs)
   except jax.errors.ConcretizationTypeError as e:
     raise UnsupportedError(MSG_CONCRETE.format(name=fn_name, error=str(e).splitlines()[0])) from e
-  flat, loop_lines = shed_residuals(
+  flat, rewrites = shed_residuals(
     flatten_jaxpr(traced),
     shed_loop_bytes,
     # The target compiler's FLOPs, as the planner compares plans by.
@@ -156,6 +160,7 @@ def trace_program(
         target=target,
       )
     ],
+    loop_policy,
   )
   closed, compiled = flat, None
   if model == "compiler":
@@ -180,7 +185,7 @@ def trace_program(
     target=target,
     compiled=compiled,
   )
-  return dataclasses.replace(program, loops=loop_lines) if loop_lines else program
+  return dataclasses.replace(program, loops=rewrites) if rewrites else program
 
 
 _MODELS = ("auto", "rules", "compiler")

@@ -5,14 +5,15 @@ reads. Each iteration may instead store other values of its body and the backwar
 recompute the residuals from them (and from what every iteration has anyway: the loop's
 constants and its stacked inputs). Which to store is a choice of bytes per iteration
 times the trip count against recomputed FLOPs times the trip count, over all the step's
-loops at once (`choose_stored`). Kept apart from JAX: `jaxremat._src.loops` builds the
+loops at once (`choose_stored`); or what a `jax.checkpoint` policy would store
+(`policy_choice`), the target compiler measuring both. Kept apart from JAX: `jaxremat._src.loops` builds the
 problem from the jaxpr and rewrites the loops with the answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ortools.sat.python import cp_model
 
@@ -44,6 +45,15 @@ class BodyProblem:
   def stored_bytes(self, stored: Sequence[int]) -> int:
     """Bytes stacked over the iterations for ``stored``."""
     return self.trips * sum(self.value_bytes[v] for v in set(stored) if v not in self.free)
+
+  def choice(self, stored: Collection[int], recomputed: Collection[int]) -> BodyChoice:
+    """Storing the values ``stored`` and recomputing the equations ``recomputed``."""
+    return BodyChoice(
+      stored=frozenset(stored),
+      recomputed=frozenset(recomputed),
+      stored_bytes=self.stored_bytes(stored),
+      recomputed_flops=self.trips * sum(self.eqn_flops[e] for e in recomputed),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,19 +130,34 @@ def choose_stored(
   model.minimize(second)
   if solver.solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
     return None
-  choices = []
-  for b, body in enumerate(bodies):
-    kept = frozenset(v for v in range(len(body.value_bytes)) if solver.value(keep[b][v]))
-    recomputed = frozenset(e for e in range(len(body.eqn_flops)) if solver.value(comp[b][e]))
-    choices.append(
-      BodyChoice(
-        stored=kept,
-        recomputed=recomputed,
-        stored_bytes=body.stored_bytes(kept),
-        recomputed_flops=body.trips * sum(body.eqn_flops[e] for e in recomputed),
-      )
+  return [
+    body.choice(
+      [v for v, x in enumerate(keep[b]) if solver.value(x)],
+      [e for e, x in enumerate(comp[b]) if solver.value(x)],
     )
-  return choices
+    for b, body in enumerate(bodies)
+  ]
+
+
+def policy_choice(body: BodyProblem, saved_eqns: Collection[int]) -> BodyChoice:
+  """What `jax.checkpoint` on the body stores with a policy that saves the outputs of
+  ``saved_eqns``: those outputs and the carried values that the residuals need, the
+  backward body recomputing every other equation they need (an equation with effects is
+  never recomputed: its outputs are stored)."""
+  stored, recomputed = set(), set()
+  needed, seen = list(body.residuals), set()
+  while needed:
+    v = needed.pop()
+    if v in seen or v in body.free:
+      continue
+    seen.add(v)
+    e = body.producer[v]
+    if e < 0 or e in saved_eqns or not body.recomputable[e]:
+      stored.add(v)
+    else:
+      recomputed.add(e)
+      needed += body.eqn_operands[e]
+  return body.choice(stored, recomputed)
 
 
 def _flop_scale(bodies: Sequence[BodyProblem]) -> float:
