@@ -233,6 +233,9 @@ def test_a_flax_nn_scan_step_meets_a_budget_below_what_its_layers_store(tmp_path
   plan = fast.plan(*args)
   assert plan.measured_peak_bytes <= plan.budget_bytes <= 0.5 * original.peak_bytes + 1
   assert plan.verification.outputs_match and len(plan.program.loops) == 1
+  # The loop and what it recomputes are named by this file's lines, not Flax's.
+  line = plan.program.loops[0].line
+  assert line.startswith(f"scan at {__file__}:") and "site-packages" not in line
 
 
 def test_a_scanned_gpt_reaches_dots_saveables_peak_at_no_more_flops(tmp_path):
@@ -255,3 +258,32 @@ def test_a_scanned_gpt_reaches_dots_saveables_peak_at_no_more_flops(tmp_path):
   assert plan.measured_peak_bytes <= plan.budget_bytes
   assert plan.measurement.flops <= policy.flops
   assert plan.verification.outputs_match
+
+
+def test_below_the_least_an_iteration_stores_iterations_go_in_groups(tmp_path):
+  """16 layers: storing each iteration's carry is the least one loop stores; in groups
+  of 4 the forward loop stacks only each group's first carry and the backward pass runs
+  each group forward again (two-level checkpointing). XLA holds less, the outputs are
+  JAX's, and `optimize` plans so for a budget between the two."""
+  layers = 16
+  ws = jax.random.normal(jax.random.key(0), (layers, WIDTH, WIDTH)) / jnp.sqrt(WIDTH)
+  args = (ws, _args()[1])
+  grad = jax.value_and_grad(_loss)
+  closed = _flat(grad, *args)
+  (loop,) = loops.residual_loops(closed)
+  (least,) = choose_stored([loop.problem], None)
+  every = loops.store_less(closed, [loop], [least])
+  in_groups, (rewrite,) = loops.shed_residuals(closed, 1 << 40)
+  assert "in groups of 4" in rewrite.line
+  assert rewrite.stored_bytes == (layers // 4 + 4) * BATCH * WIDTH * 4 < least.stored_bytes
+  assert_trees_allclose(_run(in_groups)(*args), list(grad(*args)))
+  one, grouped = (jaxremat.measure(_run(c), *args) for c in (every, in_groups))
+  assert grouped.peak_bytes < one.peak_bytes and grouped.flops > one.flops
+  # Still loops: two in the forward pass, three in the backward.
+  assert grouped.hlo_text.count(" while(") == 5
+
+  budget = (one.peak_bytes + grouped.peak_bytes) // 2
+  fast = jaxremat.optimize(grad, budget=budget, time_limit=60, cache_dir=str(tmp_path), progress=False)
+  plan = fast.plan(*args)
+  assert plan.measured_peak_bytes <= budget and plan.verification.outputs_match
+  assert "in groups of" in plan.program.loops[0].line

@@ -7,6 +7,7 @@ imports JAX internals only through this module, so a JAX upgrade touches one fil
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from typing import Any
 
@@ -180,11 +181,19 @@ def aval_bytes(aval: Any) -> int:
 
 
 def eqn_source(eqn: Any) -> str:
-  """``"file.py:12 (fn)"`` for the user frame that created ``eqn``, or ``"unknown"``."""
-  frame = _source_info_util.user_frame(eqn.source_info.traceback)
+  """``"file.py:12 (fn)"`` for the user frame that created ``eqn``, or ``"unknown"``: the
+  innermost outside JAX and outside installed packages (Flax's `nn.scan` calls
+  `lax.scan` in flax/core/axes_scan.py; the user's line is the one that calls it)."""
+  frames = list(_source_info_util.user_frames(eqn.source_info.traceback))
+  own = [f for f in frames if not _INSTALLED.search(f.file_name)]
+  frame = (own or frames or [None])[0]
   if frame is None:
     return "unknown"
   return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+# Where installed packages live.
+_INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
 
 
 def name_stack_str(eqn: Any) -> str:

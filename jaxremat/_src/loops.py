@@ -15,13 +15,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from jaxremat._src import capture, compat, costs
-from jaxremat._src.solvers.residuals import BodyChoice, BodyProblem, choose_stored, policy_choice
+from jaxremat._src.solvers.residuals import (
+  BodyChoice,
+  BodyProblem,
+  choose_stored,
+  grouped,
+  policy_choice,
+)
 
 # Counts the FLOPs of each of a sequence of equations.
 FlopsOf = Callable[[Sequence[Any]], list[float]]
@@ -81,11 +88,17 @@ class ResidualLoop:
       for e in choice.recomputed
     )
     recomputed = "; ".join(f"{n} x {name}" for name, n in counts.most_common())
+    held = f"stores {len(choice.stored)} value(s), "
+    if choice.group > 1:
+      held = (
+        f"in groups of {choice.group}: stacks the carry each group starts from, and the "
+        f"backward pass runs each group forward again, stacking {len(choice.stored)} "
+        f"value(s) per iteration for it; on average "
+      )
     line = (
-      f"scan at {self.source} ({trips} iterations) stores {len(choice.stored)} value(s), "
-      f"{choice.stored_bytes // trips} bytes per iteration (was {was}), as {chosen_by} "
-      f"chose; the backward pass recomputes {len(choice.recomputed)} equation(s)"
-      + (f": {recomputed}" if recomputed else "")
+      f"scan at {self.source} ({trips} iterations) {held}{choice.stored_bytes // trips} "
+      f"bytes per iteration (was {was}), as {chosen_by} chose; the backward pass "
+      f"recomputes {len(choice.recomputed)} equation(s)" + (f": {recomputed}" if recomputed else "")
     )
     return LoopRewrite(line, choice.stored_bytes, choice.recomputed_flops)
 
@@ -148,9 +161,12 @@ def shed_residuals(
   else:
     chosen_by = "the knapsack"
     stacked = sum(p.stored_bytes(p.residuals) for p in problems)
-    choices = choose_stored(problems, stacked - shed_bytes) or choose_stored(problems, None)
-    if choices is None:
-      return closed, ()
+    choices = choose_stored(problems, stacked - shed_bytes)
+    if choices is None:  # below the least any iteration stores: iterations in groups
+      least = choose_stored(problems, None)
+      if least is None:
+        return closed, ()
+      choices = [grouped(p, c) or c for p, c in zip(problems, least, strict=True)]
   return store_less(closed, found, choices), tuple(
     loop.rewrite(c, chosen_by) for loop, c in zip(found, choices, strict=True)
   )
@@ -247,12 +263,15 @@ def _split(eqn: Any, values: Sequence[Any]) -> tuple[list[Any], list[Any], list[
   )
 
 
-def _scan(eqn: Any, body_fn, init: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
+def _scan(
+  eqn: Any, body_fn, init: list[Any], xs: list[Any], length: int | None = None
+) -> tuple[list[Any], list[Any]]:
+  """``eqn``'s loop with ``body_fn``, over ``length`` iterations (default: ``eqn``'s)."""
   carry, ys = jax.lax.scan(
     body_fn,
     init,
     xs,
-    length=eqn.params["length"],
+    length=length or eqn.params["length"],
     reverse=eqn.params["reverse"],
     unroll=eqn.params["unroll"],
   )
@@ -264,7 +283,8 @@ def _forward(
 ) -> tuple[list[Any], list[Any]]:
   """Runs the forward scan stacking its outputs other than the residuals and the values
   ``choice`` stores. Returns its outputs (None for the residuals) and the stacked stored
-  values, in ``sorted(choice.stored)`` order."""
+  values, in ``sorted(choice.stored)`` order (in groups: the carries the groups start
+  from)."""
   body, body_consts = compat.open_jaxpr(eqn.params["jaxpr"])
   consts, init, xs = _split(eqn, invals)
   _, n_carry = compat.scan_counts(eqn)
@@ -272,12 +292,22 @@ def _forward(
   kept_ys = [p for p in range(n_carry, len(body.outvars)) if p not in residuals]
   stored = [loop.body_vars[v] for v in sorted(choice.stored)]
 
-  def step(carry, x):
+  def step(carry, x, stash=stored):
     env = capture.evaluate(body, body_consts, [*consts, *carry, *x])
     outs = [capture.read(env, v) for v in body.outvars]
-    return outs[:n_carry], ([outs[p] for p in kept_ys], [capture.read(env, v) for v in stored])
+    return outs[:n_carry], ([outs[p] for p in kept_ys], [capture.read(env, v) for v in stash])
 
-  carry, (ys, stacked) = _scan(eqn, step, init, xs)
+  k = choice.group
+  if k == 1:
+    carry, (ys, stacked) = _scan(eqn, step, init, xs)
+  else:  # each group stacks only the carry it starts from
+
+    def group(carry, x):
+      out, (ys, _) = _scan(eqn, functools.partial(step, stash=()), carry, x, length=k)
+      return out, (ys, carry)
+
+    carry, (ys, stacked) = _scan(eqn, group, init, _in_groups(xs, k), length=eqn.params["length"] // k)
+    ys = _of_groups(ys)
   outs: list[Any] = [*carry] + [None] * (len(body.outvars) - n_carry)
   for p, y in zip(kept_ys, ys, strict=True):
     outs[p] = y
@@ -311,6 +341,9 @@ def _backward(
   needed = {v for e in recompute for v in e.invars if not isinstance(v, compat.Literal)} | set(
     dropped.values()
   )
+  k = choice.group
+  if k > 1:  # running a group forward again reads all of them
+    needed |= {*f_const_vars, *f_xs_vars}
   f_consts = [c for v, c in zip(f_const_vars, f_consts, strict=True) if v in needed]
   f_const_vars = [v for v in f_const_vars if v in needed]
   # A stacked input the backward scan reads already is read from its own slice: passed
@@ -340,5 +373,32 @@ def _backward(
     result = [capture.read(out_env, v) for v in body.outvars]
     return result[:n_carry], result[n_carry:]
 
-  carry, ys = _scan(eqn, step, init, [live_xs, stored, extra])
-  return [*carry, *ys]
+  if k == 1:
+    carry, ys = _scan(eqn, step, init, [live_xs, stored, extra])
+    return [*carry, *ys]
+  _, n_forward_carry = compat.scan_counts(forward)
+
+  def forward_step(carry, x):
+    env = capture.evaluate(fbody, fbody_consts, [*f_consts, *carry, *x])
+    outs = [capture.read(env, v) for v in fbody.outvars[:n_forward_carry]]
+    return outs, [capture.read(env, v) for v in stored_vars]
+
+  def group(carry, x):
+    g_live, g_start, g_extra = x
+    own = dict(zip(extra_vars, g_extra, strict=True))
+    g_xs = [g_live[already[v]] if v in already else own[v] for v in f_xs_vars]
+    _, g_stored = _scan(forward, forward_step, g_start, g_xs, length=k)
+    return _scan(eqn, step, carry, [g_live, g_stored, g_extra], length=k)
+
+  groups = [_in_groups(live_xs, k), stored, _in_groups(extra, k)]
+  carry, ys = _scan(eqn, group, init, groups, length=eqn.params["length"] // k)
+  return [*carry, *_of_groups(ys)]
+
+
+def _in_groups(xs: list[Any], k: int) -> list[Any]:
+  """Stacked values split into groups of ``k`` iterations."""
+  return [x.reshape((x.shape[0] // k, k, *x.shape[1:])) for x in xs]
+
+
+def _of_groups(xs: list[Any]) -> list[Any]:
+  return [x.reshape((-1, *x.shape[2:])) for x in xs]

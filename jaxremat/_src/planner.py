@@ -389,7 +389,7 @@ def _shed_loops(trace, signature, leaves, budget_bytes, baseline, opts, deadline
   for _ in range(_LOOP_ROUNDS):
     start_s = deadline.elapsed_s()
     program = trace(shed_loop_bytes=shed)
-    if not program.loops or (tried and program.loops == tried[-1][0].loops):
+    if not program.loops or (tried and _figures(program) == _figures(tried[-1][0])):
       break  # the loops store no less, or no differently
     over = measure(program).peak_bytes - budget_bytes
     round_s = deadline.elapsed_s() - start_s
@@ -406,7 +406,7 @@ def _shed_loops(trace, signature, leaves, budget_bytes, baseline, opts, deadline
       break
     start_s = deadline.elapsed_s()
     program = trace(loop_policy=policy)
-    if not program.loops or (met and _recomputed_flops(program) >= _recomputed_flops(met[0])):
+    if not program.loops or (met and _figures(program)[1] >= _figures(met[0])[1]):
       continue
     if measure(program).peak_bytes <= budget_bytes:
       met = tried[-1]
@@ -423,8 +423,12 @@ _LOOP_ROUNDS = 4
 _LOOP_POLICIES = ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable")
 
 
-def _recomputed_flops(program: Program) -> float:
-  return sum(loop.recomputed_flops for loop in program.loops)
+def _figures(program: Program) -> tuple[int, float]:
+  """What ``program``'s loops store and recompute, over all of them (`LoopRewrite`)."""
+  return (
+    sum(loop.stored_bytes for loop in program.loops),
+    sum(loop.recomputed_flops for loop in program.loops),
+  )
 
 
 def _measure_program(

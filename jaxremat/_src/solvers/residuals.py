@@ -6,7 +6,8 @@ recompute the residuals from them (and from what every iteration has anyway: the
 constants and its stacked inputs). Which to store is a choice of bytes per iteration
 times the trip count against recomputed FLOPs times the trip count, over all the step's
 loops at once (`choose_stored`); or what a `jax.checkpoint` policy would store
-(`policy_choice`), the target compiler measuring both. Kept apart from JAX: `jaxremat._src.loops` builds the
+(`policy_choice`), the target compiler measuring both. Below the least any iteration can
+store, iterations go in groups whose carry alone is stacked (`grouped`). Kept apart from JAX: `jaxremat._src.loops` builds the
 problem from the jaxpr and rewrites the loops with the answer.
 """
 
@@ -58,12 +59,22 @@ class BodyProblem:
 
 @dataclasses.dataclass(frozen=True)
 class BodyChoice:
-  """What one body stores and what the backward body recomputes from it."""
+  """What one body stores and what the backward body recomputes from it.
 
-  stored: frozenset[int]  # values, by index
-  recomputed: frozenset[int]  # equations, by index
-  stored_bytes: int  # over all iterations
-  recomputed_flops: float  # over all iterations
+  Attributes:
+    stored: values, by index, each iteration stores.
+    recomputed: equations, by index, the backward body recomputes.
+    stored_bytes: bytes held for the backward pass at once, over the iterations.
+    recomputed_flops: FLOPs recomputed over the iterations.
+    group: iterations per group (`grouped`); 1: every iteration's ``stored`` is stacked
+      by the forward loop.
+  """
+
+  stored: frozenset[int]
+  recomputed: frozenset[int]
+  stored_bytes: int
+  recomputed_flops: float
+  group: int = 1
 
 
 def choose_stored(
@@ -158,6 +169,31 @@ def policy_choice(body: BodyProblem, saved_eqns: Collection[int]) -> BodyChoice:
       recomputed.add(e)
       needed += body.eqn_operands[e]
   return body.choice(stored, recomputed)
+
+
+def grouped(body: BodyProblem, choice: BodyChoice) -> BodyChoice | None:
+  """``choice`` in groups of iterations (two-level checkpointing): the forward loop
+  stacks only the carry each group starts from, and the backward pass runs each group's
+  iterations forward again from it, stacking ``choice.stored`` for that group alone,
+  before running them backward. It holds trips / k carries and k iterations' stored
+  values at once and recomputes the body's forward once more per iteration; k divides
+  the trip count and holds least. None where no k holds less than ``choice``."""
+  carry_bytes = sum(
+    size for v, size in enumerate(body.value_bytes) if body.producer[v] < 0 and v not in body.free
+  )
+  per_iteration = choice.stored_bytes // body.trips
+  held, k = min(
+    ((body.trips // k * carry_bytes + k * per_iteration, k) for k in range(2, body.trips) if body.trips % k == 0),
+    default=(choice.stored_bytes, 1),
+  )
+  if held >= choice.stored_bytes:
+    return None
+  return dataclasses.replace(
+    choice,
+    stored_bytes=held,
+    recomputed_flops=choice.recomputed_flops + body.trips * sum(body.eqn_flops),
+    group=k,
+  )
 
 
 def _flop_scale(bodies: Sequence[BodyProblem]) -> float:
