@@ -184,7 +184,12 @@ def test_optimize_meets_a_budget_below_what_the_scan_stores_on_a_scanned_gpt(tmp
   assert plan.verification is not None and plan.verification.outputs_match
   np.testing.assert_allclose(outputs[2], jax.jit(step)(*args)[2], rtol=1e-6)
   line = plan.program.loops[0].line
-  assert len(plan.program.loops) == 1 and line.startswith("scan at ") and "scanned_gpt.py" in line and "recomputes" in line
+  assert (
+    len(plan.program.loops) == 1
+    and line.startswith("scan at ")
+    and "scanned_gpt.py" in line
+    and "recomputes" in line
+  )
   report = str(fast.report(*args))
   assert "loops that store less for the backward pass" in report and line in report
 
@@ -238,25 +243,28 @@ def test_a_flax_nn_scan_step_meets_a_budget_below_what_its_layers_store(tmp_path
   assert line.startswith(f"scan at {__file__}:") and "site-packages" not in line
 
 
-def test_a_scanned_gpt_reaches_dots_saveables_peak_at_no_more_flops(tmp_path):
-  """Within 1% of the peak of `jax.checkpoint(dots_saveable)` on the scan body (the
-  knapsack's rewrite alone meets it at more FLOPs: what XLA holds in a backward
-  iteration differs between choices that store the same bytes), `optimize` meets the
-  budget at no more FLOPs than the policy."""
+@pytest.mark.parametrize(
+  "policy", ["dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable"]
+)
+def test_a_scanned_gpt_meets_each_policys_peak_at_no_more_flops(policy, tmp_path):
+  """At the peak of `jax.checkpoint` with ``policy`` on the scan body, `optimize` meets
+  the budget at no more FLOPs than the policy: the loop stores the policy's own choice or
+  the knapsack's, with the attention mask broadcast in each iteration (held whole, it
+  took 0.5% more than the policy's step)."""
   from examples import _common, scanned_gpt
 
   step, args = scanned_gpt.make_train_step(d_model=64, n_layers=6, seq_len=64, batch=4, vocab=128)
   params, _, batch = args
   policy_step, _ = _common.make_train_step(
-    lambda p, b: scanned_gpt.loss(p, b, checkpoint="dots_saveable"), params, batch
+    lambda p, b: scanned_gpt.loss(p, b, checkpoint=policy), params, batch
   )
-  policy = jaxremat.measure(policy_step, *args, runs=0)
+  measured = jaxremat.measure(policy_step, *args, runs=0)
   fast = jaxremat.optimize(
-    step, budget=int(1.01 * policy.peak_bytes), time_limit=60, cache_dir=str(tmp_path), progress=False
+    step, budget=measured.peak_bytes, time_limit=60, cache_dir=str(tmp_path), progress=False
   )
   plan = fast.plan(*args)
-  assert plan.measured_peak_bytes <= plan.budget_bytes
-  assert plan.measurement.flops <= policy.flops
+  assert plan.measured_peak_bytes <= measured.peak_bytes
+  assert plan.measurement.flops <= measured.flops
   assert plan.verification.outputs_match
 
 
@@ -283,7 +291,9 @@ def test_below_the_least_an_iteration_stores_iterations_go_in_groups(tmp_path):
   assert grouped.hlo_text.count(" while(") == 5
 
   budget = (one.peak_bytes + grouped.peak_bytes) // 2
-  fast = jaxremat.optimize(grad, budget=budget, time_limit=60, cache_dir=str(tmp_path), progress=False)
+  fast = jaxremat.optimize(
+    grad, budget=budget, time_limit=60, cache_dir=str(tmp_path), progress=False
+  )
   plan = fast.plan(*args)
   assert plan.measured_peak_bytes <= budget and plan.verification.outputs_match
   assert "in groups of" in plan.program.loops[0].line

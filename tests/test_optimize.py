@@ -179,7 +179,11 @@ def test_a_scanned_step_meets_what_jax_checkpoint_on_its_body_reaches():
   assert plan.measured_peak_bytes <= policy.peak_bytes
   assert plan.measurement.flops <= policy.flops
   line = plan.program.loops[0].line
-  assert len(plan.program.loops) == 1 and f"{__file__.rsplit('/', 1)[-1]}:" in line and "dot_general" in line
+  assert (
+    len(plan.program.loops) == 1
+    and f"{__file__.rsplit('/', 1)[-1]}:" in line
+    and "dot_general" in line
+  )
 
 
 def test_a_loop_whose_stored_values_the_step_returns_is_named_when_a_budget_is_missed():

@@ -183,7 +183,11 @@ def grouped(body: BodyProblem, choice: BodyChoice) -> BodyChoice | None:
   )
   per_iteration = choice.stored_bytes // body.trips
   held, k = min(
-    ((body.trips // k * carry_bytes + k * per_iteration, k) for k in range(2, body.trips) if body.trips % k == 0),
+    (
+      (body.trips // k * carry_bytes + k * per_iteration, k)
+      for k in range(2, body.trips)
+      if body.trips % k == 0
+    ),
     default=(choice.stored_bytes, 1),
   )
   if held >= choice.stored_bytes:
