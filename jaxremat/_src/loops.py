@@ -187,26 +187,38 @@ def store_less(closed: Any, loops: Sequence[ResidualLoop], choices: Sequence[Bod
     plans[loop.forward] = (loop, choice, dropped)
   backward_of = {loop.backward: loop.forward for loop in loops}
   stacked: dict[int, tuple[list[Any], list[Any]]] = {}  # forward -> (stored, its invals)
-  # The loops' constants broadcast from much smaller values (an attention mask) are
-  # broadcast again in each backward iteration: passed whole, XLA holds them through both
-  # loops (the scanned GPT example: 0.5 MiB; 8 MiB at batch 32 and 256 tokens).
+  # Loop constants that are cheap to make are made again in each backward iteration, as
+  # JAX's own rematerialized bodies do: passed whole, XLA holds them through both loops
+  # (the scanned GPT example's attention mask: 0.5 MiB; 8 MiB at batch 32 and 256
+  # tokens), and even a small one takes a slot of the loop's state. Those made from
+  # literals alone (an iota mask) are made whole; those broadcast from a much smaller
+  # value, from that value.
   producer = {v: k for k, e in enumerate(jaxpr.eqns) for v in e.outvars}
-  broadcasts: dict[int, dict[int, int]] = {}  # scan -> {constant position: broadcast}
+  remade: dict[int, dict[int, tuple[tuple[int, ...], int | None, Any]]] = {}
   for k in (k for loop in loops for k in (loop.forward, loop.backward)):
     consts, _, _ = _split(jaxpr.eqns[k], jaxpr.eqns[k].invars)
-    broadcasts[k] = {
-      i: producer[v]
-      for i, v in enumerate(consts)
-      if v in producer and _broadcast_of_small(jaxpr.eqns[producer[v]])
-    }
-  broadcast_eqns = {b for of_scan in broadcasts.values() for b in of_scan.values()}
+    remade[k] = {}  # constant position -> (equations, the broadcast whose operand is read, var)
+    for i, v in enumerate(consts):
+      made = _made_of_literals(v, producer, jaxpr.eqns)
+      if made is not None:
+        remade[k][i] = (made, None, v)
+      elif v in producer and _broadcast_of_small(jaxpr.eqns[producer[v]]):
+        remade[k][i] = ((producer[v],), producer[v], v)
+  read_operand = {b for of_scan in remade.values() for _, b, _ in of_scan.values() if b is not None}
   operands: dict[int, Any] = {}  # broadcast -> the value it broadcasts
 
-  def in_each_iteration(scan: int) -> dict[int, _Broadcast]:
-    return {i: _Broadcast(jaxpr.eqns[b], operands[b]) for i, b in broadcasts[scan].items()}
+  def in_each_iteration(scan: int) -> dict[int, _Remade]:
+    return {
+      i: _Remade(
+        tuple(jaxpr.eqns[e] for e in made),
+        {} if b is None else {jaxpr.eqns[b].invars[0]: operands[b]},
+        v,
+      )
+      for i, (made, b, v) in remade[scan].items()
+    }
 
   def run_eqn(k: int, eqn: Any, invals: list[Any]) -> list[Any] | None:
-    if k in broadcast_eqns:
+    if k in read_operand:
       operands[k] = invals[0]
       return None
     if k in plans:
@@ -228,6 +240,28 @@ def store_less(closed: Any, loops: Sequence[ResidualLoop], choices: Sequence[Bod
 
 
 # -- the body as a knapsack -------------------------------------------------------------
+
+
+def _made_of_literals(
+  v: Any, producer: dict[Any, int], eqns: Sequence[Any], most: int = 16
+) -> tuple[int, ...] | None:
+  """The equations (at most ``most``, in order, without effects) that make ``v`` from
+  literals alone, or None."""
+  made: list[int] = []
+
+  def visit(u: Any) -> bool:
+    if isinstance(u, compat.Literal):
+      return True
+    k = producer.get(u)
+    if k is None or eqns[k].effects:
+      return False
+    if k not in made:
+      if not all(visit(w) for w in eqns[k].invars):
+        return False
+      made.append(k)
+    return len(made) <= most
+
+  return tuple(made) if visit(v) else None
 
 
 def _broadcast_of_small(eqn: Any) -> bool:
@@ -357,16 +391,16 @@ def _backward(
   choice: BodyChoice,
   stored: list[Any],
   dropped: dict[int, Any],
-  rebroadcast: dict[int, _Broadcast],
-  f_rebroadcast: dict[int, _Broadcast],
+  remade: dict[int, _Remade],
+  f_remade: dict[int, _Remade],
 ) -> list[Any]:
   """Runs the backward scan with the residuals at its stacked inputs ``dropped`` read,
   per iteration, from the stored values or recomputed from them, the forward loop's
-  constants and its stacked inputs. Its constants at ``rebroadcast``'s positions, and
-  the forward loop's at ``f_rebroadcast``'s, are broadcast in each iteration."""
+  constants and its stacked inputs. Its constants at ``remade``'s positions, and the
+  forward loop's at ``f_remade``'s, are made in each iteration."""
   fbody, fbody_consts = compat.open_jaxpr(forward.params["jaxpr"])
   f_consts, _, f_xs = _split(forward, forward_invals)
-  f_consts = [f_rebroadcast.get(i, c) for i, c in enumerate(f_consts)]
+  f_consts = [f_remade.get(i, c) for i, c in enumerate(f_consts)]
   f_const_vars, _, f_xs_vars = _split(forward, fbody.invars)
   body, body_consts = compat.open_jaxpr(eqn.params["jaxpr"])
   consts, init, xs = _split(eqn, invals)
@@ -400,14 +434,15 @@ def _backward(
   def step(carry, x):
     x_live, x_stored, x_extra = x
     env = dict(zip(fbody.constvars, fbody_consts, strict=True))
-    env.update(zip(f_const_vars, map(_unpack, f_consts), strict=True))
+    made: dict[Any, Any] = {}
+    env.update(zip(f_const_vars, (_unpack(c, made) for c in f_consts), strict=True))
     env.update(zip(extra_vars, x_extra, strict=True))
     env.update((v, x_live[j]) for v, j in already.items())
     env.update(zip(stored_vars, x_stored, strict=True))
     capture.evaluate_eqns(recompute, env)
     live = iter(x_live)
     x_full = [capture.read(env, dropped[i]) if i in dropped else next(live) for i in range(len(xs))]
-    own = [_unpack(rebroadcast.get(i, c)) for i, c in enumerate(consts)]
+    own = [_unpack(remade.get(i, c), made) for i, c in enumerate(consts)]
     out_env = capture.evaluate(body, body_consts, [*own, *carry, *x_full])
     result = [capture.read(out_env, v) for v in body.outvars]
     return result[:n_carry], result[n_carry:]
@@ -418,7 +453,9 @@ def _backward(
   _, n_forward_carry = compat.scan_counts(forward)
 
   def forward_step(carry, x):
-    env = capture.evaluate(fbody, fbody_consts, [*map(_unpack, f_consts), *carry, *x])
+    made: dict[Any, Any] = {}
+    f_made = [_unpack(c, made) for c in f_consts]
+    env = capture.evaluate(fbody, fbody_consts, [*f_made, *carry, *x])
     outs = [capture.read(env, v) for v in fbody.outvars[:n_forward_carry]]
     return outs, [capture.read(env, v) for v in stored_vars]
 
@@ -435,18 +472,25 @@ def _backward(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Broadcast:
-  """A loop constant that ``eqn`` broadcasts from ``operand``, broadcast where it is
-  read (`_unpack`): in a loop body, in each iteration."""
+class _Remade:
+  """A loop constant ``var`` that ``eqns`` make from ``env``, made where it is read
+  (`_unpack`): in a loop body, in each iteration."""
 
-  eqn: Any
-  operand: Any
+  eqns: tuple[Any, ...]
+  env: dict[Any, Any]
+  var: Any
 
 
-def _unpack(value: Any) -> Any:
-  if isinstance(value, _Broadcast):
-    return value.eqn.primitive.bind(value.operand, **compat.bind_params(value.eqn))
-  return value
+def _unpack(value: Any, made: dict[Any, Any]) -> Any:
+  """``value``, or the constant it makes (once per ``made``: each loop body makes each
+  constant once, the forward one's and the backward one's alike)."""
+  if not isinstance(value, _Remade):
+    return value
+  if value.var not in made:
+    env = dict(value.env)
+    capture.evaluate_eqns(value.eqns, env)
+    made[value.var] = env[value.var]
+  return made[value.var]
 
 
 def _in_groups(xs: list[Any], k: int) -> list[Any]:
