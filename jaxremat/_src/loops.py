@@ -242,37 +242,6 @@ def store_less(closed: Any, loops: Sequence[ResidualLoop], choices: Sequence[Bod
 # -- the body as a knapsack -------------------------------------------------------------
 
 
-def _made_of_literals(
-  v: Any, producer: dict[Any, int], eqns: Sequence[Any], most: int = 16
-) -> tuple[int, ...] | None:
-  """The equations (at most ``most``, in order, without effects) that make ``v`` from
-  literals alone, or None."""
-  made: list[int] = []
-
-  def visit(u: Any) -> bool:
-    if isinstance(u, compat.Literal):
-      return True
-    k = producer.get(u)
-    if k is None or eqns[k].effects:
-      return False
-    if k not in made:
-      if not all(visit(w) for w in eqns[k].invars):
-        return False
-      made.append(k)
-    return len(made) <= most
-
-  return tuple(made) if visit(v) else None
-
-
-def _broadcast_of_small(eqn: Any) -> bool:
-  """Whether ``eqn`` broadcasts a value at least 4 times smaller than its output."""
-  return (
-    eqn.primitive.name == "broadcast_in_dim"
-    and not isinstance(eqn.invars[0], compat.Literal)
-    and 4 * compat.aval_bytes(eqn.invars[0].aval) <= compat.aval_bytes(eqn.outvars[0].aval)
-  )
-
-
 def _reads_as_stacked_input(eqn: Any, pos: int) -> bool:
   return eqn.primitive.name == "scan" and not eqn.effects and pos >= sum(compat.scan_counts(eqn))
 
@@ -318,6 +287,37 @@ def _body_problem(
 
 
 # -- the rewrite --------------------------------------------------------------------------
+
+
+def _made_of_literals(
+  v: Any, producer: dict[Any, int], eqns: Sequence[Any], most: int = 16
+) -> tuple[int, ...] | None:
+  """The equations (at most ``most``, in order, without effects) that make ``v`` from
+  literals alone, or None."""
+  made: list[int] = []
+
+  def visit(u: Any) -> bool:
+    if isinstance(u, compat.Literal):
+      return True
+    k = producer.get(u)
+    if k is None or eqns[k].effects:
+      return False
+    if k not in made:
+      if not all(visit(w) for w in eqns[k].invars):
+        return False
+      made.append(k)
+    return len(made) <= most
+
+  return tuple(made) if visit(v) else None
+
+
+def _broadcast_of_small(eqn: Any) -> bool:
+  """Whether ``eqn`` broadcasts a value at least 4 times smaller than its output."""
+  return (
+    eqn.primitive.name == "broadcast_in_dim"
+    and not isinstance(eqn.invars[0], compat.Literal)
+    and 4 * compat.aval_bytes(eqn.invars[0].aval) <= compat.aval_bytes(eqn.outvars[0].aval)
+  )
 
 
 def _split(eqn: Any, values: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any]]:
