@@ -184,9 +184,13 @@ def eqn_source(eqn: Any) -> str:
   """``"file.py:12 (fn)"`` for the user frame that created ``eqn``, or ``"unknown"``: the
   innermost outside JAX and outside installed packages (Flax's `nn.scan` calls
   `lax.scan` in flax/core/axes_scan.py; the user's line is the one that calls it)."""
-  frames = list(_source_info_util.user_frames(eqn.source_info.traceback))
-  own = [f for f in frames if not _INSTALLED.search(f.file_name)]
-  frame = (own or frames or [None])[0]
+  frame = first = None
+  for frame in _source_info_util.user_frames(eqn.source_info.traceback):
+    first = first or frame
+    if not _INSTALLED.search(frame.file_name):
+      break
+  else:
+    frame = first
   if frame is None:
     return "unknown"
   return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"

@@ -44,11 +44,19 @@ class LoopRewrite:
     stored_bytes: bytes stacked over the iterations.
     recomputed_flops: FLOPs the backward pass recomputes over the iterations (the
       target compiler's count of each body equation).
+    policy_flops: per policy of `POLICIES`, the FLOPs its choice for the loop would
+      recompute (`ResidualLoop.policy_choice`), known before any is rewritten so.
   """
 
   line: str
   stored_bytes: int
   recomputed_flops: float
+  policy_flops: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
+
+
+# The `jax.checkpoint_policies` whose choices a loop may store instead of the knapsack's
+# (`shed_residuals`), each recomputing more than the one before.
+POLICIES = ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +108,11 @@ class ResidualLoop:
       f"bytes per iteration (was {was}), as {chosen_by} chose; the backward pass "
       f"recomputes {len(choice.recomputed)} equation(s)" + (f": {recomputed}" if recomputed else "")
     )
-    return LoopRewrite(line, choice.stored_bytes, choice.recomputed_flops)
+    policy_flops = {
+      name: self.policy_choice(getattr(jax.checkpoint_policies, name)).recomputed_flops
+      for name in POLICIES
+    }
+    return LoopRewrite(line, choice.stored_bytes, choice.recomputed_flops, policy_flops)
 
 
 def residual_loops(closed: Any, flops_of: FlopsOf | None = None) -> list[ResidualLoop]:

@@ -33,7 +33,7 @@ from jaxremat._src.errors import (
   VerificationError,
 )
 from jaxremat._src.graph import RematGraph
-from jaxremat._src.loops import residual_loops
+from jaxremat._src.loops import POLICIES, residual_loops
 from jaxremat._src.measure import Measurement, compile_and_measure
 from jaxremat._src.minimize import minimize_peak
 from jaxremat._src.plan_cache import PlanCache, fingerprint
@@ -366,8 +366,8 @@ def _shed_loops(trace, signature, leaves, budget_bytes, baseline, opts, deadline
   budget is followed by one that sheds that much more and the margin; one it measures
   more than the margin under the budget, by one that sheds that much less (fewer
   FLOPs), kept where it meets the budget too. At most `_LOOP_ROUNDS` rewrites. Then
-  the loops store what `jax.checkpoint` with each of `_LOOP_POLICIES` would, where that
-  recomputes fewer FLOPs than the rewrite that met: at equal bytes stored, what XLA
+  the loops store what `jax.checkpoint` with each of `loops.POLICIES` would, where that
+  recomputes fewer FLOPs than the rewrite that met (known without tracing it): at equal bytes stored, what XLA
   holds in a backward iteration differs between choices (the scanned GPT example on
   XLA:CPU storing dots_saveable's 7.34 MB per iteration: 105.6 MB; the knapsack's
   7.40 MB: 110.2 MB).
@@ -401,12 +401,14 @@ def _shed_loops(trace, signature, leaves, budget_bytes, baseline, opts, deadline
     if -margin <= over <= 0 or deadline.left_s() < 2 * round_s:
       break
     shed += over + margin if over > 0 else over
-  for policy in _LOOP_POLICIES:  # each recomputes more than the one before
+  for policy in POLICIES:
     if deadline.left_s() < 2 * round_s:
       break
+    if met and _policy_flops(met[0], policy) >= _figures(met[0])[1]:
+      continue  # it recomputes no less than the rewrite that met: not traced
     start_s = deadline.elapsed_s()
     program = trace(loop_policy=policy)
-    if not program.loops or (met and _figures(program)[1] >= _figures(met[0])[1]):
+    if not program.loops:
       continue
     if measure(program).peak_bytes <= budget_bytes:
       met = tried[-1]
@@ -419,8 +421,11 @@ def _shed_loops(trace, signature, leaves, budget_bytes, baseline, opts, deadline
 
 # Rewrites of the loops by the knapsack compiled at most (`_shed_loops`).
 _LOOP_ROUNDS = 4
-# Loops rewritten as `jax.checkpoint` with these policies would store them (`_shed_loops`).
-_LOOP_POLICIES = ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable")
+
+
+def _policy_flops(program: Program, policy: str) -> float:
+  """What ``policy``'s choice for ``program``'s loops would recompute."""
+  return sum(loop.policy_flops[policy] for loop in program.loops)
 
 
 def _figures(program: Program) -> tuple[int, float]:
