@@ -13,6 +13,12 @@ import pytest
 if not os.path.exists("/proc/driver/nvidia"):
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
+import jax  # noqa: E402
+
+# Four host devices, for the sharded steps' mesh (tests/test_sharded.py); steps that are
+# not sharded run on the first, as before. Set before JAX starts its CPU backend.
+jax.config.update("jax_num_cpu_devices", 4)
+
 from jaxremat import RematGraph  # noqa: E402 - after the environment JAX reads when it starts
 
 SHARED_GRAPHS = pathlib.Path(__file__).resolve().parents[2] / "shared" / "graphs"

@@ -170,7 +170,22 @@ def _inlined(eqn: Any, invals: list[Any]) -> list[Any] | None:
     return None
   inner, inner_consts = body
   invals = _behind_barrier(invals, compat.barrier_operands(eqn))
-  return _run_eqns(inner, inner_consts, invals, lambda k, e, xs: _inlined(e, xs))
+  in_shardings, out_shardings = compat.call_shardings(eqn)
+  outs = _run_eqns(
+    inner, inner_consts, _constrained(invals, in_shardings), lambda k, e, xs: _inlined(e, xs)
+  )
+  return _constrained(outs, out_shardings)
+
+
+def _constrained(values: list[Any], shardings: Sequence[Any]) -> list[Any]:
+  """``values``, each under its sharding where one is given: an inlined `jax.jit`'s
+  ``in_shardings``/``out_shardings`` kept as sharding constraints."""
+  if not any(s is not None for s in shardings):
+    return values
+  return [
+    x if s is None else jax.lax.with_sharding_constraint(x, s)
+    for x, s in zip(values, shardings, strict=True)
+  ]
 
 
 def _behind_barrier(values: list[Any], mask: Sequence[bool]) -> list[Any]:

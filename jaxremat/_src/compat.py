@@ -7,6 +7,7 @@ imports JAX internals only through this module, so a JAX upgrade touches one fil
 from __future__ import annotations
 
 import math
+import os
 import re
 import warnings
 from typing import Any
@@ -93,6 +94,25 @@ def replace_body(closed: Any, eqns: list[Any], outvars: list[Any]) -> Any:
   return ClosedJaxpr(jaxpr.replace(eqns=eqns, outvars=outvars), consts)
 
 
+def map_params(closed: Any, change: Any) -> Any:
+  """``closed`` with ``change(value)`` applied to every equation parameter value that is
+  not a jaxpr (inside tuples and lists), in nested jaxprs (call bodies, loop bodies,
+  branches) too."""
+
+  def value(v: Any) -> Any:
+    if type(v) in (tuple, list):  # not named tuples (a gather's dimension numbers)
+      return type(v)(value(x) for x in v)
+    if isinstance(v, ClosedJaxpr):
+      return map_params(v, change)
+    if hasattr(v, "eqns") and hasattr(v, "invars"):
+      return open_jaxpr(map_params(ClosedJaxpr(v, []), change))[0]
+    return change(v)
+
+  jaxpr, consts = open_jaxpr(closed)
+  eqns = [e.replace(params={k: value(v) for k, v in e.params.items()}) for e in jaxpr.eqns]
+  return ClosedJaxpr(jaxpr.replace(eqns=eqns), consts)
+
+
 def eval_closed_jaxpr(closed: Any, *args: Any) -> list[Any]:
   """Evaluates a closed jaxpr on flat arguments."""
   from jax.extend.core import jaxpr_as_fun
@@ -109,6 +129,21 @@ def inline_body(eqn: Any) -> tuple[Any, list[Any]] | None:
     if body is not None:
       return open_jaxpr(body)
   return None
+
+
+def call_shardings(eqn: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+  """A jit equation's ``(in_shardings, out_shardings)``, None where one is unspecified or
+  left to the partitioner (``AUTO``) or names one device; empty for other equations."""
+  if eqn.primitive.name not in ("jit", "pjit"):
+    return (), ()
+
+  def placed(shardings: Any) -> tuple[Any, ...]:
+    return tuple(
+      s if isinstance(s, jax.sharding.Sharding) and len(s.device_set) > 1 else None
+      for s in shardings
+    )
+
+  return placed(eqn.params.get("in_shardings", ())), placed(eqn.params.get("out_shardings", ()))
 
 
 def barrier_operands(eqn: Any) -> tuple[bool, ...]:
@@ -182,10 +217,12 @@ def aval_bytes(aval: Any) -> int:
 
 def eqn_source(eqn: Any) -> str:
   """``"file.py:12 (fn)"`` for the user frame that created ``eqn``, or ``"unknown"``: the
-  innermost outside JAX and outside installed packages (Flax's `nn.scan` calls
+  innermost outside JAX, jaxremat and installed packages (Flax's `nn.scan` calls
   `lax.scan` in flax/core/axes_scan.py; the user's line is the one that calls it)."""
   frame = first = None
   for frame in _source_info_util.user_frames(eqn.source_info.traceback):
+    if frame.file_name.startswith(_OWN):
+      continue
     first = first or frame
     if not _INSTALLED.search(frame.file_name):
       break
@@ -196,8 +233,9 @@ def eqn_source(eqn: Any) -> str:
   return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 
-# Where installed packages live.
+# Where installed packages live, and jaxremat itself (an editable install lives elsewhere).
 _INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def name_stack_str(eqn: Any) -> str:

@@ -55,6 +55,19 @@ class EqnCost:
   source: str
 
 
+def scaled(cost: EqnCost, share: float) -> EqnCost:
+  """``cost`` for ``share`` of the equation's work (one device's part of a partitioned
+  equation)."""
+  if share == 1.0:
+    return cost
+  return dataclasses.replace(
+    cost,
+    flops=cost.flops * share,
+    bytes_accessed=cost.bytes_accessed * share,
+    seconds=cost.seconds * share,
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class Roofline:
   """Peak rates of a device: measured here (`measure_roofline`) or published (deviceless).

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 from typing import Any, Final
 
@@ -69,6 +70,9 @@ class CompiledValues:
   constants: dict[int, int]  # equation -> bytes made from constants at the start, held for it
   hoisted: frozenset[int]  # equations whose output buffer XLA makes at the start
   measurement: Measurement | None = None  # the compiler's figures for the program
+  partitions: int = 1  # devices the step is partitioned over; sizes are one device's
+  collective_bytes: dict[int, int] = dataclasses.field(default_factory=dict)  # equation ->
+  # the bytes each device sends for the collectives the partitioner made for it
 
 
 def compiled_values(
@@ -76,6 +80,7 @@ def compiled_values(
   target: str | Target | None,
   donate_argnums: tuple[int, ...] = (),
   scopes: tuple[int, ...] | None = None,
+  specs: tuple[jax.ShapeDtypeStruct, ...] | None = None,
 ) -> CompiledValues:
   """Which values of flat ``closed`` the compiler keeps, read from its optimized program.
 
@@ -85,6 +90,9 @@ def compiled_values(
     donate_argnums: the donated inputs, so that the measurement is the step's own.
     scopes: per equation, the number that names it in the result (default: its index);
       `trace` names repeats after the equation that `capture.merge_repeats` keeps.
+    specs: per jaxpr input, its traced type with its sharding over a device mesh, where
+      the step is partitioned (default: the inputs' types, on one device). The compiled
+      program is then one device's part of the step, and so are the sizes read from it.
   """
   jaxpr, consts = compat.open_jaxpr(closed)
   scopes = scopes or range(len(jaxpr.eqns))
@@ -103,10 +111,76 @@ def compiled_values(
       env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
-  specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+  specs = specs or [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
   measured = measure(scoped, *specs, runs=0, donate_argnums=donate_argnums, target=target)
   values = values_in_hlo(measured.hlo_text, len(jaxpr.invars))
-  return dataclasses.replace(values, measurement=measured)
+  partitions = _PARTITIONS.search(measured.hlo_text)
+  return dataclasses.replace(
+    values,
+    measurement=measured,
+    partitions=int(partitions.group(1)) if partitions else 1,
+    collective_bytes=collective_bytes(measured.hlo_text),
+  )
+
+
+def collective_bytes(hlo: str) -> dict[int, int]:
+  """Per scoped equation, the bytes each device sends for the collectives that the SPMD
+  partitioner made for it (an FSDP weight's all-gather before its product, a gradient's
+  all-reduce), as ring algorithms send them: an all-gather (n - 1) / n of its result, a
+  reduce-scatter n - 1 times its result, an all-reduce twice (n - 1) / n of it.
+
+  A collective that XLA combined from several (one all-reduce of every gradient) names
+  each element's equation in turn in its metadata.
+
+  Example:
+    >>> line = ('  %g = f32[64]{0} all-gather(%p), replica_groups={{0,1,2,3}}, '
+    ...         'dimensions={0}, metadata={op_name="jit(f)/jaxremat_eqn3/dot_general"}')
+    >>> collective_bytes("ENTRY %main (p: f32[16]) -> f32[64] {\\n" + line + "\\n}")
+    {3: 192}
+  """
+  out: dict[int, int] = {}
+  for computation in computations(hlo).values():
+    for i in computation.instructions:
+      kind = i.opcode.removesuffix("-start")
+      if kind not in _SENT_PER_BYTE:
+        continue
+      sizes = [b.bytes for b in buffers(i.shape)]
+      if i.opcode.endswith("-start"):  # (operands..., results...): the results
+        sizes = sizes[len(sizes) // 2 :] if len(sizes) > 1 else sizes
+      n = _group_size(i.rest)
+      scopes = [int(k) for k in _SCOPED.findall(i.line)] or [None]
+      for j, size in enumerate(sizes):
+        k = scopes[j] if len(scopes) == len(sizes) else scopes[0]
+        if k is not None and n > 1:
+          out[k] = out.get(k, 0) + round(size * _SENT_PER_BYTE[kind](n))
+  return out
+
+
+# Bytes each device sends per byte of a collective's result, over n devices (ring).
+_SENT_PER_BYTE: Final = {
+  "all-gather": lambda n: (n - 1) / n,
+  "all-reduce": lambda n: 2 * (n - 1) / n,
+  "reduce-scatter": lambda n: n - 1,
+  "all-to-all": lambda n: (n - 1) / n,
+  "collective-permute": lambda n: 1.0,
+}
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+_GROUPS_LISTED = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def _group_size(rest: str) -> int:
+  """How many devices each of a collective's groups spans (2 where it cannot be read: a
+  collective-permute sends to one other device whatever its pairs)."""
+  if m := _GROUPS_LISTED.search(rest):
+    return len(m.group(1).split(","))
+  if m := _GROUPS_IOTA.search(rest):
+    return int(m.group(1))
+  if m := _GROUPS_MESH.search(rest):
+    axes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+    return math.prod(int(axes.get(a, 1)) for a in re.findall(r"'(\w+)'", m.group(2)))
+  return 2
 
 
 def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
@@ -169,12 +243,14 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
     else:
       called = _CALLS.search(instruction.rest)
       body = parts[called.group(1)].instructions if called and called.group(1) in parts else []
+      sizes_of = [b.bytes for b in buffers(instruction.shape)]
       roots = [_scope(instruction.line)]
       if instruction.opcode == "fusion" and body:
         roots = _fusion_roots(body) or roots
+      elif len(listed := [int(k) for k in _SCOPED.findall(instruction.line)]) == len(sizes_of) > 1:
+        roots = listed  # ops XLA combined (one all-reduce of every gradient) name each output
       roots_of[name] = roots
       own[name] = next((k for k in roots if k is not None), _scope(instruction.line))
-      sizes_of = [b.bytes for b in buffers(instruction.shape)]
       held[name] = sizes_of or [0]
       elements[name] = [(name, j) for j in range(len(sizes_of))]
       if instruction.opcode == "while":
@@ -229,6 +305,17 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
     """Whether ``b`` is the buffer its one reader updates and returns (a scatter's zeros)."""
     return {in_place.get(r) for r in read_by[b]} == {size}
 
+  def replaced(instruction: Instruction, k: int) -> int:
+    """The bytes of equation ``k``'s buffers that only ``instruction`` reads."""
+    return sum(
+      held[maker][j]
+      for o in instruction.operands
+      for maker, j in elements.get(o, [])
+      if maker in roots_of
+      and output_roots(maker)[j] == k
+      and read_by.get((maker, j)) == [instruction.name]
+    )
+
   def output_roots(name: str) -> list[int | None]:
     """The equation of each buffer ``name`` makes."""
     sizes_of, roots = held[name], roots_of[name]
@@ -279,7 +366,10 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
         else:
           early.append((size, end))
         continue
-      if k is not None and readers == {k} and between(k, at, end):
+      collective = instruction.opcode.removesuffix("-start") in _SENT_PER_BYTE
+      if k is not None and readers == {k} and (collective or between(k, at, end)):
+        # A collective's result only its own equation reads (an FSDP weight gathered for
+        # its product), wherever the schedule puts it, is scratch of that equation too.
         # A step of its own equation's work that only the equation's next instructions
         # read (XLA:GPU's split-K partial products, summed by a reduction after them).
         scratch[k] = scratch.get(k, 0) + size
@@ -311,7 +401,9 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
         if not updated(b, size):  # else it is its reader's output
           scratch[reader] = scratch.get(reader, 0) + size
       elif holder in sizes:
-        sizes[holder] += size
+        # A collective's result replaces its operands of the same value that die there
+        # (a gradient's partial sums, all-reduced): both are not held at once for long.
+        sizes[holder] += max(size - replaced(instruction, holder), 0) if collective else size
         read_for.setdefault(holder, set()).update(readers - {holder, None})
   # Each is held until the first value made after its last reader runs (XLA:CPU runs a
   # pool gradient's argmax with the forward pool, under the gradient's name).

@@ -31,7 +31,7 @@ from jaxremat._src.loops import LoopRewrite
 from jaxremat._src.measure import Measurement
 from jaxremat._src.order import memory_minimizing_order
 from jaxremat._src.signature import CallSignature, OutputSplit, abstract
-from jaxremat._src.targets import Target
+from jaxremat._src.targets import INTERCONNECT_RATES, Target
 
 # -- the Program: a flat jaxpr and the graph over it --------------------------------------
 
@@ -230,6 +230,13 @@ def build_program(
       if d != g and d in per_reader:
         inlined[g] |= set(groups[d]) | inlined[d]
   arg_names = list(arg_names or [f"arg{i}" for i in range(len(jaxpr.invars))])
+  # A partitioned step's compiled program is one device's part: each equation does the
+  # share of its work that the least of its values it holds or reads is of the whole.
+  fractions = (
+    {}
+    if compiled is None or compiled.partitions == 1
+    else _device_fractions(jaxpr, materialized, compiled.argument_bytes)
+  )
   nodes = []
   for i, v in enumerate(jaxpr.invars):
     held = None if compiled is None else compiled.argument_bytes[i]
@@ -251,8 +258,17 @@ def build_program(
         kept_reads,
         None if compiled is None else compiled.scratch,
         roof,
+        fractions,
       )
     )
+  if compiled is not None and compiled.collective_bytes:
+    link = interconnect_bytes_per_s(target, roof)
+    for g, eqn_ids in enumerate(groups):
+      sent = sum(compiled.collective_bytes.get(k, 0) for k in eqn_ids)
+      if sent:
+        node = nodes[n_in + g]
+        attrs = {**node.attrs, "collective_bytes": sent}
+        nodes[n_in + g] = dataclasses.replace(node, cost=node.cost + sent / link, attrs=attrs)
   # Buffers XLA makes before the program runs: read from the compiler's program where it
   # is at hand, else XLA:CPU's rule for max pool gradients.
   iotas, indices, hoisted = (
@@ -321,6 +337,22 @@ def build_program(
     outputs=output_split,
     baseline=None if compiled is None else compiled.measurement,
   )
+
+
+def _device_fractions(
+  jaxpr: Any, materialized: dict[Any, int], argument_bytes: Sequence[int]
+) -> dict[Any, float]:
+  """Of a partitioned step, the share of each input and kept value that one device holds
+  (its compiled bytes over its whole bytes)."""
+  held = {**dict(zip(jaxpr.invars, argument_bytes, strict=True)), **materialized}
+  return {v: b / compat.aval_bytes(v.aval) for v, b in held.items() if compat.aval_bytes(v.aval)}
+
+
+def interconnect_bytes_per_s(target: Target | None, roof: costs.Roofline | None) -> float:
+  """What a device sends to another per second: the target's published chip-to-chip rate,
+  or memory bandwidth (host devices copy through memory); infinite for shape costs."""
+  rate = INTERCONNECT_RATES.get(target.device_kind) if target is not None else None
+  return rate or (roof.bytes_per_s if roof is not None else math.inf)
 
 
 def _order_holding_least(graph: RematGraph) -> tuple[int, ...]:
@@ -467,17 +499,38 @@ def _eqn_node(
   kept_reads: dict[Any, frozenset[Any]],
   scratch: dict[int, int] | None = None,
   roof: costs.Roofline | None = None,
+  fractions: dict[Any, float] | None = None,
 ) -> Node:
   """The node of the equations ``eqns``; ``inlined_costs`` are those of the duplicated
   values XLA computes inside its fusion, which it pays for (None: its readers pay for
-  this node's own work)."""
+  this node's own work). ``fractions``: of a partitioned step, the share of each value
+  one device holds."""
   root = eqns[-1]
   prim = root.primitive.name
   source = compat.eqn_source(root)
   stack = compat.name_stack_str(root)
+  inside = {v for e in eqns for v in e.outvars}
+  read = set().union(
+    *(
+      kept_reads.get(v, {v})
+      for e in eqns
+      for v in e.invars
+      if not isinstance(v, compat.Literal) and v not in inside
+    )
+  )
+  # Of a partitioned step: the share of the node's work one device does, and of a value
+  # the compiled program does not show, the share of it one device holds.
+  fractions = fractions or {}
+  share = min([1.0, *(fractions[v] for v in (*outvars, *read) if v in fractions)])
+
+  def held(v: Any) -> int:
+    if v in materialized:
+      return materialized[v]
+    return round(compat.aval_bytes(v.aval) * fractions.get(v, share))
+
+  kept = sum(held(v) for v in outvars)
   # A duplicated value (or a dot fused into its readers) lives only inside its readers'
   # fusions: XLA keeps nothing.
-  kept = sum(materialized.get(v, compat.aval_bytes(v.aval)) for v in outvars)
   out_bytes = 0 if duplicated or epilogue else kept
   kernel = [] if inlined_costs is None else [*eqn_costs, *inlined_costs]
   if scratch is None:
@@ -515,20 +568,17 @@ def _eqn_node(
   # A node's cost prices its recomputation. Recomputed elementwise work runs inside the
   # kernel that reads it, which then reads its operands in place of the value: it adds its
   # arithmetic and the bytes it reads beyond the value. Other work writes its value out.
-  inside = {v for e in eqns for v in e.outvars}
-  read = set().union(
-    *(
-      kept_reads.get(v, {v})
-      for e in eqns
-      for v in e.invars
-      if not isinstance(v, compat.Literal) and v not in inside
-    )
-  )
-  read_bytes = sum(materialized.get(v, compat.aval_bytes(v.aval)) for v in read)
+  read_bytes = sum(held(v) for v in read)
   if all(e.primitive.name in FUSIBLE_PRIMITIVES for e in eqns):
     moved = max(read_bytes - kept, 0)
   else:
     moved = read_bytes + kept
+  if share < 1.0:
+    kernel = [costs.scaled(c, share) for c in kernel]
+    attrs["flops"], attrs["bytes_accessed"] = (
+      attrs["flops"] * share,
+      attrs["bytes_accessed"] * share,
+    )
   seconds = costs.kernel_seconds(kernel, moved, roof) if kernel else 0.0
   return Node(i, f"{prim} @ {short}", out_bytes, seconds, attrs)
 

@@ -42,11 +42,24 @@ def _is_array_output(x: Any) -> bool:
 
 
 def abstract(x: Any) -> jax.ShapeDtypeStruct:
-  """The traced type of a leaf: shape, dtype and weak type, as `jax.jit` sees it."""
+  """The traced type of a leaf: shape, dtype and weak type, as `jax.jit` sees it, and
+  its sharding where it spans several devices (`jax.jit` partitions the step by it)."""
   if isinstance(x, jax.ShapeDtypeStruct):
     return x
   aval = compat.abstract_value(x)
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+  return jax.ShapeDtypeStruct(
+    aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=mesh_sharding(x)
+  )
+
+
+def mesh_sharding(x: Any) -> Any:
+  """The sharding of ``x`` where it spans more than one device, else None (a value on
+  one device runs wherever the step runs)."""
+  concrete = isinstance(x, jax.ShapeDtypeStruct) or (
+    isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+  )
+  sharding = x.sharding if concrete else None
+  return sharding if sharding is not None and len(sharding.device_set) > 1 else None
 
 
 def normalize_argnums(argnums: int | Sequence[int], n_args: int, what: str) -> tuple[int, ...]:
@@ -105,9 +118,15 @@ class CallSignature:
   @property
   def key(self) -> Any:
     """Hashable; equal for two calls that `jax.jit` would run with one compilation."""
-    specs = tuple((s.shape, str(s.dtype), bool(s.weak_type)) for s in self.specs)
+    specs = tuple((s.shape, str(s.dtype), bool(s.weak_type), mesh_sharding(s)) for s in self.specs)
     statics = tuple(static_key(x) for x in self.static_leaves)
     return (self.arg_tree, self.dynamic_mask, statics, specs, self.donated)
+
+  @property
+  def partitioned(self) -> bool:
+    """Whether a traced leaf is sharded over several devices (`jax.jit` partitions the
+    step over them, and each device holds its part)."""
+    return any(mesh_sharding(s) is not None for s in self.specs)
 
   @property
   def donated_leaves(self) -> tuple[int, ...]:

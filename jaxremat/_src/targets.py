@@ -41,6 +41,7 @@ from jaxremat._src import compat
 from jaxremat._src.backends import BackendFacts, backend_facts
 from jaxremat._src.errors import TargetUnavailableError
 from jaxremat._src.hlo_text import computations, count_hlo_ops, library_convolution_flops
+from jaxremat._src.signature import FlatStep, call_signature, mesh_sharding
 
 PLATFORMS: Final = ("cpu", "tpu", "gpu")
 TPU_AOT_EXTRA: Final = "tpu-aot"
@@ -156,6 +157,16 @@ PEAK_RATES: Final = {
   "TPU v6 lite": (918e12, 1640e9),
   "NVIDIA H100 80GB HBM3": (494.7e12, 3352e9),
   "NVIDIA A100-SXM4-80GB": (156e12, 2039e9),
+}
+# Published chip-to-chip bandwidth per device, bytes/s each chip sends (ICI on TPU,
+# NVLink on NVIDIA GPUs), for the collectives of a partitioned step. Same sources.
+INTERCONNECT_RATES: Final = {
+  "TPU v4": 2400e9 / 8,
+  "TPU v5 lite": 1600e9 / 8,
+  "TPU v5": 4800e9 / 8,
+  "TPU v6 lite": 3584e9 / 8,
+  "NVIDIA H100 80GB HBM3": 900e9,
+  "NVIDIA A100-SXM4-80GB": 600e9,
 }
 _GPU_CONFIG_FIELD = re.compile(r"^\s*(\w+):\s*([0-9.eE+-]+)\s*$", re.MULTILINE)
 
@@ -518,6 +529,18 @@ def compile_for(
   target = get_target(target)
   devices = target.devices()
   sharding = jax.sharding.SingleDeviceSharding(devices[0])
+  if not target.local and _meshes_elsewhere((args, kwargs), devices):
+    fn, args, kwargs, donate_argnums = _on_devices(fn, args, kwargs, donate_argnums, devices)
+  mesh = next(
+    (
+      s.mesh
+      for x in jax.tree.leaves((args, kwargs))
+      if isinstance(s := mesh_sharding(x), jax.sharding.NamedSharding)
+    ),
+    None,
+  )
+  if mesh is not None:  # the other leaves of a partitioned step: replicated over its mesh
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   info = compat.jit_info(fn)
   jitted = (
     fn if info is not None and not donate_argnums else jax.jit(fn, donate_argnums=donate_argnums)
@@ -531,6 +554,78 @@ def compile_for(
   args = tuple(a if i in static_nums else place(a) for i, a in enumerate(args))
   kwargs = {k: v if k in static_names else place(v) for k, v in kwargs.items()}
   return compat.lower_for_platform(jitted, target.lowering_platform, *args, **kwargs).compile()
+
+
+def _meshes_elsewhere(tree: Any, devices: tuple[Any, ...]) -> bool:
+  """Whether a leaf of ``tree`` is sharded over several devices that are not ``devices``
+  (a step laid out on this machine's mesh, compiled for a topology of as many chips)."""
+  return any(
+    (s := mesh_sharding(leaf)) is not None and not set(s.device_set) <= set(devices)
+    for leaf in jax.tree.leaves(tree)
+  )
+
+
+def _on_devices(
+  fn: Callable[..., Any],
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  donate_argnums: int | Sequence[int],
+  devices: tuple[Any, ...],
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], tuple[int, ...]]:
+  """``fn`` and its arguments moved onto the target's ``devices``: each mesh of as many
+  devices (in the arguments' shardings, the jit's ``in_shardings``/``out_shardings`` and
+  the sharding constraints inside) becomes a mesh of the same shape and axis names over
+  them, so that the partitioner splits the step as it would on this machine's mesh.
+  Returns the flat step (traced leaves in, array leaves out), its leaves and donation.
+
+  Raises:
+    ValueError: a mesh has another number of devices than the target's topology.
+  """
+  info = compat.jit_info(fn) or {}
+  signature = call_signature(
+    args,
+    kwargs,
+    static_argnums=info.get("static_argnums", ()),
+    static_argnames=info.get("static_argnames", ()),
+    donate_argnums=(
+      *((donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums),
+      *info.get("donate_argnums", ()),
+    ),
+  )
+  meshes: dict[Any, Any] = {}
+
+  def moved(x: Any) -> Any:
+    if (
+      isinstance(x, jax.sharding.Mesh)
+      and x.devices.size > 1
+      and not set(x.devices.flat) <= set(devices)
+    ):
+      if x.devices.size != len(devices):
+        raise ValueError(
+          f"The step is laid out on a mesh of {x.devices.size} devices {dict(x.shape)}, but "
+          f"the target has {len(devices)}; name a topology of {x.devices.size} chips (e.g. "
+          "'tpu:v5e:4x4' for 16) or lay the step out on as many devices as the target has."
+        )
+      if x not in meshes:
+        meshes[x] = jax.sharding.Mesh(
+          np.asarray(devices).reshape(x.devices.shape), x.axis_names, axis_types=x.axis_types
+        )
+      return meshes[x]
+    if isinstance(x, jax.sharding.NamedSharding) and moved(x.mesh) is not x.mesh:
+      return jax.sharding.NamedSharding(moved(x.mesh), x.spec, memory_kind=x.memory_kind)
+    return x
+
+  closed = compat.map_params(jax.make_jaxpr(FlatStep(fn, signature))(*signature.specs), moved)
+  specs = tuple(
+    jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type, sharding=moved(s.sharding))
+    for s in signature.specs
+  )
+  return (
+    jax.jit(functools.partial(compat.eval_closed_jaxpr, closed)),
+    specs,
+    {},
+    signature.donated_leaves,
+  )
 
 
 def _placed(leaf: Any, sharding: Any, devices: tuple[Any, ...]) -> Any:

@@ -125,10 +125,6 @@ def trace_program(
     raise ValueError(f"costs={costs!r} is not a cost mode; use one of {sorted(_COST_MODES)}.")
   check_model(model)
   target = get_target(target)
-  if model == "auto":
-    # On a real H100 the rules put the MLP example's plan at 0.7 at 29.50 MiB, where its
-    # compiler measured 32.30 (benchmarks/README.md, "On a real GPU").
-    model = "rules" if target.platform == "cpu" else "compiler"
   if signature is None:
     jitted = jit_options(fn)
     signature = call_signature(
@@ -140,6 +136,12 @@ def trace_program(
       donate_argnames=jitted.get("donate_argnames", ()),
       trace_scalars=jitted.get("trace_scalars", True),
     )
+  if model == "auto":
+    # On a real H100 the rules put the MLP example's plan at 0.7 at 29.50 MiB, where its
+    # compiler measured 32.30 (benchmarks/README.md, "On a real GPU"). The rules know one
+    # device: a step partitioned over a mesh holds what its compiled program says.
+    sharded = signature.partitioned
+    model = "rules" if target.platform == "cpu" and not sharded else "compiler"
   flat_fn = FlatStep(fn, signature)
   fn_name = name or getattr(fn, "__name__", None) or type(fn).__name__
   try:
@@ -169,7 +171,7 @@ def trace_program(
       # The step as written is what XLA compiles (its figures are the step's baseline),
       # each equation named after the merged equation that stands for it in the graph.
       compiled = hlo_model.compiled_values(
-        flat, target, signature.donated_leaves, scopes=merged_index
+        flat, target, signature.donated_leaves, scopes=merged_index, specs=signature.specs
       )
   program = build_program(
     closed,

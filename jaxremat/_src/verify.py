@@ -675,7 +675,17 @@ def _verification_device(device: str | None) -> jax.Device | None:
 
 
 def _put(tree: Any, place: jax.Device | None) -> Any:
-  return tree if place is None else jax.device_put(tree, place)
+  """``tree``'s arrays on ``place``, but those already on its platform stay (a step laid
+  out on a mesh of host devices runs there)."""
+  if place is None:
+    return tree
+
+  def put(x: Any) -> Any:
+    devices = x.sharding.device_set if isinstance(x, jax.Array) else set()
+    here = devices and all(d.platform == place.platform for d in devices)
+    return x if here else jax.device_put(x, place)
+
+  return jax.tree.map(put, tree)
 
 
 def _default_device(place: jax.Device | None) -> Any:
