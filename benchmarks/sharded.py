@@ -13,9 +13,13 @@ cost_analysis FLOPs):
   whether the outputs match the unoptimized sharded step, and whether a variant has a lower
   peak at no more FLOPs (``dominated_by``).
 
-Writes benchmarks/results/sharded.{csv,json}. Run from the repository root:
+``--target tpu-v5e`` compiles the same steps for a 2x2 TPU v5e slice (4 chips, deviceless:
+the host mesh laid over them); outputs are checked on the host mesh.
+
+Writes benchmarks/results/sharded[_TARGET].{csv,json}. Run from the repository root:
   python -m benchmarks.sharded                         # GPT and ResNet, dp/fsdp/tp, 4 devices
   python -m benchmarks.sharded --devices 8 --steps gpt:fsdp
+  python -m benchmarks.sharded --target tpu-v5e
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import csv
 import json
 import pathlib
 import sys
+import tempfile
 import time
 
 import jax
@@ -44,25 +49,28 @@ def _close(got, want) -> bool:
   return True
 
 
-def run_step(name: str, mode: str, time_limit_s: float) -> list[dict]:
+def run_step(name: str, mode: str, time_limit_s: float, target: str | None, **sizes) -> list[dict]:
   import jaxremat
   from examples import _common, sharded
   from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
   def measured(variant=None):
-    step, args, _ = sharded.sharded_train_step(name, mode, checkpoint=variant)
-    return jaxremat.measure(step, *args, runs=0, donate_argnums=(0, 1))
+    step, args, _ = sharded.sharded_train_step(name, mode, checkpoint=variant, **sizes)
+    return jaxremat.measure(step, *args, runs=0, donate_argnums=(0, 1), target=target)
 
-  step, args, place = sharded.sharded_train_step(name, mode)
+  step, args, place = sharded.sharded_train_step(name, mode, **sizes)
   base = measured()
-  program = jaxremat.trace_program(step, *args)
+  program = jaxremat.trace_program(step, *args, target=target)
   predicted = xla_accounted_peak_bytes(program.graph, None, base.alias_bytes)
   expected = step(*place())
   rows = [_row(name, mode, "no remat", None, base, base, predicted)]
+  rows[0]["sent_mib"] = round(base.sent_bytes / 2**20, 2)
   for variant in _common.CHECKPOINT_VARIANTS:
     rows.append(_row(name, mode, variant, None, measured(variant), base))
   for budget in BUDGETS:
-    fast = jaxremat.optimize(step, budget=budget, time_limit=time_limit_s)
+    fast = jaxremat.optimize(
+      step, budget=budget, time_limit=time_limit_s, target=target, cache_dir=tempfile.mkdtemp()
+    )
     start = time.perf_counter()
     try:
       plan = fast.plan(*place())
@@ -73,6 +81,7 @@ def run_step(name: str, mode: str, time_limit_s: float) -> list[dict]:
     row["plan_s"] = round(time.perf_counter() - start, 1)
     row["plans"] = len(plan.attempts)
     row["outputs_match"] = _close(plan.compiled(*place()), expected)
+    row["sent_mib"] = round(plan.measurement.sent_bytes / 2**20, 2)
     rows.append(row)
   for row in rows:
     if row["method"] == "jaxremat":
@@ -88,6 +97,7 @@ def run_step(name: str, mode: str, time_limit_s: float) -> list[dict]:
 
 def _row(name, mode, method, budget, m, base, predicted=None) -> dict:
   return {
+    "target": m.target,
     "step": name,
     "mode": mode,
     "devices": len(jax.devices()),
@@ -107,22 +117,26 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--devices", type=int, default=4, help="host CPU devices in the mesh")
   parser.add_argument("--steps", nargs="*", default=list(STEPS), help="model:mode pairs")
   parser.add_argument("--time-limit", type=float, default=120.0)
-  parser.add_argument("--tag", default="sharded")
+  parser.add_argument("--tag", default=None, help="results file name (default: sharded[_TARGET])")
+  parser.add_argument("--target", default=None, help="e.g. tpu-v5e: a 2x2 slice, as many chips")
+  parser.add_argument("--batch", type=int, default=None, help="the examples' batch size")
   args = parser.parse_args(argv)
   jax.config.update("jax_num_cpu_devices", args.devices)
+  tag = args.tag or "sharded" + (f"_{args.target}" if args.target else "")
+  sizes = {} if args.batch is None else {"batch": args.batch}
   rows = []
   for pair in args.steps:
     name, mode = pair.split(":")
-    for row in run_step(name, mode, args.time_limit):
+    for row in run_step(name, mode, args.time_limit, args.target, **sizes):
       rows.append(row)
       print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
   RESULTS.mkdir(exist_ok=True)
-  (RESULTS / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
-  with open(RESULTS / f"{args.tag}.csv", "w", newline="") as f:
+  (RESULTS / f"{tag}.json").write_text(json.dumps(rows, indent=1))
+  with open(RESULTS / f"{tag}.csv", "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
     writer.writeheader()
     writer.writerows(rows)
-  print(f"wrote {RESULTS / args.tag}.csv", file=sys.stderr)
+  print(f"wrote {RESULTS / tag}.csv", file=sys.stderr)
 
 
 if __name__ == "__main__":

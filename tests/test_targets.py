@@ -852,3 +852,29 @@ def test_segment_plans_meet_the_unet_step_on_h100(tmp_path):
   assert plan.measured_peak_bytes <= plan.budget_bytes
   baseline = jaxremat.measure(step, *args, runs=0, target="h100")
   assert plan.measurement.flops < 1.2 * baseline.flops
+
+
+def test_a_step_laid_out_on_host_devices_is_compiled_for_as_many_tpu_chips(tmp_path):
+  from examples import sharded
+  from jaxremat._src.xla_memory import xla_accounted_peak_bytes
+
+  host = jax.devices("cpu")
+  sizes = {"vocab": 64, "d_model": 64, "n_layers": 2, "seq_len": 32, "batch": 8}
+  step, args, _ = sharded.sharded_train_step("gpt", "fsdp", host[:4], **sizes)
+  per_chip = jaxremat.measure(step, *args, runs=0, donate_argnums=(0, 1), target="tpu-v5e")
+  specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(args)]
+  whole = jaxremat.measure(
+    lambda *leaves: step.__wrapped__(*jax.tree.unflatten(jax.tree.structure(args), leaves)),
+    *specs,
+    runs=0,
+    target="tpu-v5e",
+  )
+  assert per_chip.partitions == 4 and per_chip.sent_bytes > 0  # FSDP gathers weights
+  assert per_chip.peak_bytes < 0.5 * whole.peak_bytes
+  program = jaxremat.trace_program(step, *args, target="tpu-v5e", cache_dir=tmp_path)
+  predicted = xla_accounted_peak_bytes(program.graph, None, program.baseline.alias_bytes)
+  assert program.baseline.peak_bytes == per_chip.peak_bytes
+  assert abs(predicted / per_chip.peak_bytes - 1) < 0.10
+  two, two_args, _ = sharded.sharded_train_step("gpt", "dp", host[:2], **sizes)
+  with pytest.raises(ValueError, match="mesh of 2 devices"):
+    jaxremat.measure(two, *two_args, runs=0, target="tpu-v5e")

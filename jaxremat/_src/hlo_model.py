@@ -29,14 +29,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import re
 from typing import Any, Final
 
 import jax
 
 from jaxremat._src import compat
-from jaxremat._src.hlo_text import Instruction, buffers, computations
+from jaxremat._src.hlo_text import (
+  COLLECTIVES,
+  Instruction,
+  buffers,
+  collectives,
+  computations,
+  partitions,
+)
 from jaxremat._src.measure import Measurement, measure
 from jaxremat._src.targets import Target
 
@@ -114,11 +120,10 @@ def compiled_values(
   specs = specs or [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
   measured = measure(scoped, *specs, runs=0, donate_argnums=donate_argnums, target=target)
   values = values_in_hlo(measured.hlo_text, len(jaxpr.invars))
-  partitions = _PARTITIONS.search(measured.hlo_text)
   return dataclasses.replace(
     values,
     measurement=measured,
-    partitions=int(partitions.group(1)) if partitions else 1,
+    partitions=partitions(measured.hlo_text),
     collective_bytes=collective_bytes(measured.hlo_text),
   )
 
@@ -126,11 +131,8 @@ def compiled_values(
 def collective_bytes(hlo: str) -> dict[int, int]:
   """Per scoped equation, the bytes each device sends for the collectives that the SPMD
   partitioner made for it (an FSDP weight's all-gather before its product, a gradient's
-  all-reduce), as ring algorithms send them: an all-gather (n - 1) / n of its result, a
-  reduce-scatter n - 1 times its result, an all-reduce twice (n - 1) / n of it.
-
-  A collective that XLA combined from several (one all-reduce of every gradient) names
-  each element's equation in turn in its metadata.
+  all-reduce; `hlo_text.sent_bytes`). A collective that XLA combined from several (one
+  all-reduce of every gradient) names each output's equation in turn in its metadata.
 
   Example:
     >>> line = ('  %g = f32[64]{0} all-gather(%p), replica_groups={{0,1,2,3}}, '
@@ -139,48 +141,13 @@ def collective_bytes(hlo: str) -> dict[int, int]:
     {3: 192}
   """
   out: dict[int, int] = {}
-  for computation in computations(hlo).values():
-    for i in computation.instructions:
-      kind = i.opcode.removesuffix("-start")
-      if kind not in _SENT_PER_BYTE:
-        continue
-      sizes = [b.bytes for b in buffers(i.shape)]
-      if i.opcode.endswith("-start"):  # (operands..., results...): the results
-        sizes = sizes[len(sizes) // 2 :] if len(sizes) > 1 else sizes
-      n = _group_size(i.rest)
-      scopes = [int(k) for k in _SCOPED.findall(i.line)] or [None]
-      for j, size in enumerate(sizes):
-        k = scopes[j] if len(scopes) == len(sizes) else scopes[0]
-        if k is not None and n > 1:
-          out[k] = out.get(k, 0) + round(size * _SENT_PER_BYTE[kind](n))
+  for instruction, sent in collectives(hlo):
+    scopes = [int(k) for k in _SCOPED.findall(instruction.line)] or [None]
+    for j, size in enumerate(sent):
+      k = scopes[j] if len(scopes) == len(sent) else scopes[0]
+      if k is not None:
+        out[k] = out.get(k, 0) + size
   return out
-
-
-# Bytes each device sends per byte of a collective's result, over n devices (ring).
-_SENT_PER_BYTE: Final = {
-  "all-gather": lambda n: (n - 1) / n,
-  "all-reduce": lambda n: 2 * (n - 1) / n,
-  "reduce-scatter": lambda n: n - 1,
-  "all-to-all": lambda n: (n - 1) / n,
-  "collective-permute": lambda n: 1.0,
-}
-_PARTITIONS = re.compile(r"num_partitions=(\d+)")
-_GROUPS_LISTED = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
-
-
-def _group_size(rest: str) -> int:
-  """How many devices each of a collective's groups spans (2 where it cannot be read: a
-  collective-permute sends to one other device whatever its pairs)."""
-  if m := _GROUPS_LISTED.search(rest):
-    return len(m.group(1).split(","))
-  if m := _GROUPS_IOTA.search(rest):
-    return int(m.group(1))
-  if m := _GROUPS_MESH.search(rest):
-    axes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-    return math.prod(int(axes.get(a, 1)) for a in re.findall(r"'(\w+)'", m.group(2)))
-  return 2
 
 
 def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
@@ -366,7 +333,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
         else:
           early.append((size, end))
         continue
-      collective = instruction.opcode.removesuffix("-start") in _SENT_PER_BYTE
+      collective = instruction.opcode.removesuffix("-start") in COLLECTIVES
       if k is not None and readers == {k} and (collective or between(k, at, end)):
         # A collective's result only its own equation reads (an FSDP weight gathered for
         # its product), wherever the schedule puts it, is scratch of that equation too.

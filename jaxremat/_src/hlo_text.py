@@ -25,6 +25,7 @@ _ARRAY = re.compile(r"([a-z]\w*)\[([^\]]*)\](?:\{([^}]*)\})?")
 _BITS = re.compile(r"^[a-z]+?(\d+)")
 _TILES = re.compile(r"T((?:\([\d,]+\))+)")
 _HEADER = re.compile(r"^(ENTRY )?%([\w.-]+) ")
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
 _CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 # Library calls that stand for an HLO opcode: XLA:GPU runs convolutions through cuDNN and
@@ -130,6 +131,62 @@ def library_convolution_flops(hlo_text: str) -> float:
       out_features = kernel[labels.group(2).index("o")]
       total += 2.0 * math.prod(output) * math.prod(kernel) / out_features
   return total
+
+
+def collectives(hlo_text: str) -> list[tuple[Instruction, list[int]]]:
+  """Each collective of ``hlo_text`` (an async one by its start), with the bytes each
+  device sends for each of its results, as ring algorithms send them: an all-gather
+  (n - 1) / n of its result, a reduce-scatter n - 1 times its result, an all-reduce twice
+  (n - 1) / n of it, over groups of n devices."""
+  out = []
+  for computation in computations(hlo_text).values():
+    for i in computation.instructions:
+      kind = i.opcode.removesuffix("-start")
+      if kind not in COLLECTIVES:
+        continue
+      sizes = [b.bytes for b in buffers(i.shape)]
+      if i.opcode.endswith("-start") and len(sizes) > 1:  # (operands..., results...)
+        sizes = sizes[len(sizes) // 2 :]
+      n = _group_size(i.rest)
+      out.append((i, [round(size * COLLECTIVES[kind](n)) if n > 1 else 0 for size in sizes]))
+  return out
+
+
+def partitions(hlo_text: str) -> int:
+  """How many devices the module is one part of (its ``num_partitions``; 1 unpartitioned)."""
+  found = _PARTITIONS.search(hlo_text)
+  return int(found.group(1)) if found else 1
+
+
+def sent_bytes(hlo_text: str) -> int:
+  """The bytes each device sends for all of ``hlo_text``'s collectives (`collectives`)."""
+  return sum(sum(sent) for _, sent in collectives(hlo_text))
+
+
+# Bytes each device sends per byte of a collective's result, over n devices (ring).
+COLLECTIVES: Final = {
+  "all-gather": lambda n: (n - 1) / n,
+  "all-reduce": lambda n: 2 * (n - 1) / n,
+  "reduce-scatter": lambda n: n - 1,
+  "all-to-all": lambda n: (n - 1) / n,
+  "collective-permute": lambda n: 1.0,
+}
+_GROUPS_LISTED = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def _group_size(rest: str) -> int:
+  """How many devices each of a collective's groups spans (2 where it cannot be read: a
+  collective-permute sends to one other device whatever its pairs)."""
+  if m := _GROUPS_LISTED.search(rest):
+    return len(m.group(1).split(","))
+  if m := _GROUPS_IOTA.search(rest):
+    return int(m.group(1))
+  if m := _GROUPS_MESH.search(rest):
+    axes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+    return math.prod(int(axes.get(a, 1)) for a in re.findall(r"'(\w+)'", m.group(2)))
+  return 2
 
 
 def _dims(shape: str) -> list[int]:

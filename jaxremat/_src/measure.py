@@ -19,7 +19,7 @@ import jax
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
 from jaxremat._src import compat
-from jaxremat._src.hlo_text import library_convolution_flops
+from jaxremat._src.hlo_text import library_convolution_flops, partitions, sent_bytes
 from jaxremat._src.targets import Target, compile_for, get_target
 
 
@@ -65,6 +65,16 @@ class Measurement:
   wall_times_s: tuple[float, ...]
   device_peak_bytes: int | None
   hlo_text: str = dataclasses.field(repr=False, default="")
+
+  @property
+  def partitions(self) -> int:
+    """Devices the step is partitioned over; the figures are one device's."""
+    return partitions(self.hlo_text)
+
+  @property
+  def sent_bytes(self) -> int:
+    """Bytes each device sends for the step's collectives (`hlo_text.collectives`)."""
+    return sent_bytes(self.hlo_text)
 
   def summary(self) -> dict[str, Any]:
     """Every field but the HLO text, as a JSON-ready dict."""

@@ -532,7 +532,9 @@ def _eqn_node(
   # A duplicated value (or a dot fused into its readers) lives only inside its readers'
   # fusions: XLA keeps nothing.
   out_bytes = 0 if duplicated or epilogue else kept
-  kernel = [] if inlined_costs is None else [*eqn_costs, *inlined_costs]
+  kernel = (
+    [] if inlined_costs is None else [costs.scaled(c, share) for c in (*eqn_costs, *inlined_costs)]
+  )
   if scratch is None:
     workspace = sum(workspace_bytes(e) for e in eqns)
   else:  # the compiler's own copies (`hlo_model`)
@@ -573,12 +575,6 @@ def _eqn_node(
     moved = max(read_bytes - kept, 0)
   else:
     moved = read_bytes + kept
-  if share < 1.0:
-    kernel = [costs.scaled(c, share) for c in kernel]
-    attrs["flops"], attrs["bytes_accessed"] = (
-      attrs["flops"] * share,
-      attrs["bytes_accessed"] * share,
-    )
   seconds = costs.kernel_seconds(kernel, moved, roof) if kernel else 0.0
   return Node(i, f"{prim} @ {short}", out_bytes, seconds, attrs)
 

@@ -75,6 +75,18 @@ class Report:
         f"{opt.flops or 0:.3g}",
         ratio(opt.flops, orig.flops),
       ),
+      *(
+        [
+          (
+            "sent, XLA",
+            f"{orig.sent_bytes / mib:.1f} MiB",
+            f"{opt.sent_bytes / mib:.1f} MiB",
+            ratio(opt.sent_bytes, orig.sent_bytes),
+          )
+        ]
+        if orig.sent_bytes or opt.sent_bytes
+        else []
+      ),
       (
         "wall time",
         _ms(orig.wall_time_s),
@@ -84,7 +96,7 @@ class Report:
     ]
     lines = [
       f"jaxremat: {p.program.graph.name} ({p.program.graph.n} nodes) for {opt.target} "
-      f"({opt.device_kind})",
+      f"({opt.device_kind})" + (f", per device of {opt.partitions}" if opt.partitions > 1 else ""),
       f"budget {p.budget_bytes / mib:.1f} MiB: {met} (XLA measured {opt.peak_bytes / mib:.1f} MiB)",
       f"solver {self.plan.schedule.solver}: {s.get('status')} in {s.get('solve_time_s', 0):.2f} s"
       + (" (plan from cache)" if p.from_cache else f", {len(p.attempts)} plan(s)"),
