@@ -140,9 +140,27 @@ def collective_bytes(hlo: str) -> dict[int, int]:
     >>> collective_bytes("ENTRY %main (p: f32[16]) -> f32[64] {\\n" + line + "\\n}")
     {3: 192}
   """
+  readers: dict[str, list[Instruction]] = collections.defaultdict(list)
+  for computation in computations(hlo).values():
+    for i in computation.instructions:
+      for o in i.operands:
+        readers[o].append(i)
+
+  def first_scope(instruction: Instruction) -> int | None:
+    """The first equation that reads what an unnamed instruction makes (newer JAX names
+    a gathered argument after the argument, not after the product that reads it)."""
+    seen, todo = set(), [instruction]
+    while todo:
+      i = todo.pop(0)
+      if (k := _scope(i.line)) is not None:
+        return k
+      todo += [r for r in readers[i.name] if r.name not in seen]
+      seen.update(r.name for r in readers[i.name])
+    return None
+
   out: dict[int, int] = {}
   for instruction, sent in collectives(hlo):
-    scopes = [int(k) for k in _SCOPED.findall(instruction.line)] or [None]
+    scopes = [int(k) for k in _SCOPED.findall(instruction.line)] or [first_scope(instruction)]
     for j, size in enumerate(sent):
       k = scopes[j] if len(scopes) == len(sent) else scopes[0]
       if k is not None:
