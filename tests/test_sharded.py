@@ -73,6 +73,8 @@ def test_optimize_meets_a_per_device_budget_and_keeps_the_shardings(fsdp_gpt, tm
     assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
     scale = float(jnp.max(jnp.abs(b))) or 1.0
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5 * scale, rtol=1e-4)
+  text = str(fast.report(*place(host), runs=1))
+  assert "per device of 4" in text and "sent, model" in text and "sent, XLA" in text
   # The same collectives, and those the recomputations need: none dropped.
   original = jaxremat.measure(step, *place(host), runs=0, donate_argnums=(0, 1))
   before, after = _collectives(original.hlo_text), _collectives(plan.measurement.hlo_text)
