@@ -112,3 +112,29 @@ def test_the_plan_key_tells_shardings_apart():
     for s in (NamedSharding(mesh, P("data")), NamedSharding(mesh, P()), jax.devices()[0])
   }
   assert len(keys) == 3
+
+
+def test_a_mesh_with_explicit_axes_is_planned_and_fenced(tmp_path):
+  # jax.make_mesh names its axes Explicit in newer JAX: values are sharded in their types,
+  # and XLA:CPU's fence must read and broadcast its predicate in those types.
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+
+  def step(w, x):
+    def loss(w):
+      h = x
+      for i in range(w.shape[0]):
+        h = jnp.tanh(h @ w[i])
+      return (h**2).mean()
+
+    value, grad = jax.value_and_grad(loss)(w)
+    return w - 0.1 * grad, value
+
+  rng = np.random.default_rng(0)
+  w = jax.device_put(rng.random((4, 128, 128), np.float32) / 8, NamedSharding(mesh, P()))
+  x = jax.device_put(rng.random((256, 128), np.float32), NamedSharding(mesh, P("data")))
+  fast = jaxremat.optimize(jax.jit(step), budget=0.9, cache_dir=tmp_path)
+  got, want = fast(w, x), jax.jit(step)(w, x)
+  assert fast.plan(w, x).measured_peak_bytes <= 0.9 * fast.plan(w, x).baseline_peak_bytes
+  for a, b in zip(got, want, strict=True):
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

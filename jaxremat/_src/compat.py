@@ -25,6 +25,14 @@ from jax._src import source_info_util as _source_info_util
 from jax._src.core import ShapedArray as _ShapedArray
 from jax._src.core import Tracer
 
+try:  # a value's type names its sharding over a mesh with explicit axes (jax >= 0.6)
+  from jax._src.core import ShardingTypeError
+except ImportError:  # pragma: no cover - older JAX has no such types
+
+  class ShardingTypeError(Exception):
+    pass
+
+
 __all__ = [
   "ClosedJaxpr",
   "DropVar",
@@ -92,6 +100,16 @@ def replace_body(closed: Any, eqns: list[Any], outvars: list[Any]) -> Any:
   outputs."""
   jaxpr, consts = open_jaxpr(closed)
   return ClosedJaxpr(jaxpr.replace(eqns=eqns, outvars=outvars), consts)
+
+
+def broadcast_as(x: Any, like: Any) -> Any:
+  """Scalar ``x`` broadcast to ``like``'s shape, and to its sharding where its type names
+  one (a mesh with explicit axes: elementwise operands must agree in sharding there)."""
+  sharding = getattr(jax.typeof(like), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or all(p is None for p in spec):
+    return jax.numpy.broadcast_to(x, jax.numpy.shape(like))
+  return jax.lax.broadcast_in_dim(x, jax.numpy.shape(like), (), out_sharding=sharding)
 
 
 def map_params(closed: Any, change: Any) -> Any:

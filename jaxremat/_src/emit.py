@@ -617,9 +617,7 @@ def apply_fence(fence: str, trigger: Any, values: Sequence[Any]) -> tuple[Any, l
     return trigger, list(out)
   if fence == "select":
     pred = always_true(trigger)
-    selected = [
-      lax.select(jnp.broadcast_to(pred, jnp.shape(v)), v, jnp.zeros_like(v)) for v in values
-    ]
+    selected = [lax.select(compat.broadcast_as(pred, v), v, jnp.zeros_like(v)) for v in values]
     return trigger, selected
   if fence == "cond":
     return trigger, list(lax.cond(always_true(trigger), _identity, _zeros_like, values))
@@ -630,11 +628,14 @@ def always_true(x: Any) -> Any:
   """A scalar predicate read from ``x`` that is true for every value, NaN included.
 
   The first element's bits OR 1 are never zero; XLA does no bit-level range analysis,
-  so it cannot fold the comparison, and the predicate waits for ``x``.
+  so it cannot fold the comparison, and the predicate waits for ``x``. A value sharded in
+  its type (a mesh with explicit axes) cannot give one element; its largest one does.
   """
-  first = lax.stop_gradient(jnp.ravel(x)[0])
-  if jnp.issubdtype(first.dtype, np.complexfloating):
-    first = jnp.real(first)
+  x = lax.stop_gradient(jnp.real(x) if jnp.iscomplexobj(x) else x)
+  try:
+    first = jnp.ravel(x)[0]
+  except compat.ShardingTypeError:
+    first = jnp.max(x)
   if first.dtype == np.bool_:
     bits = first.astype(np.uint8)
   else:

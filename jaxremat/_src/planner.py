@@ -39,7 +39,7 @@ from jaxremat._src.minimize import minimize_peak
 from jaxremat._src.plan_cache import PlanCache, fingerprint
 from jaxremat._src.program import Program
 from jaxremat._src.schedule import Schedule, schedule_from_computes
-from jaxremat._src.signature import CallSignature, FlatStep, OutputSplit, static_key
+from jaxremat._src.signature import CallSignature, FlatStep, OutputSplit, mesh_sharding, static_key
 from jaxremat._src.simulate import baseline_schedule, simulate
 from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import Progress, get_solver
@@ -990,6 +990,7 @@ def _cache_keys(program, signature, budget_bytes, opts: PlanOptions) -> _Keys:
     consts=[static_key(c)[1:] for c in compat.open_jaxpr(program.jaxpr)[1]],
     graph=program.graph.to_dict()["nodes"],
     donated=signature.donated,
+    shardings=[str(mesh_sharding(s)) for s in signature.specs],  # where each device's part is
     target=[target.name, target.platform, target.device_kind, target.topology],
     fence=opts.fence,
     versions=_versions(),
