@@ -628,12 +628,14 @@ def always_true(x: Any) -> Any:
   """A scalar predicate read from ``x`` that is true for every value, NaN included.
 
   The first element's bits OR 1 are never zero; XLA does no bit-level range analysis,
-  so it cannot fold the comparison, and the predicate waits for ``x``. A value sharded in
-  its type (a mesh with explicit axes) cannot give one element; its largest one does.
+  so it cannot fold the comparison, and the predicate waits for ``x``. The element is read
+  in place, not from ``x`` flattened: flattening a value sharded along a minor dimension
+  gathers it whole on every device. A value sharded in its type (a mesh with explicit
+  axes) cannot give one element; its largest one does.
   """
   x = lax.stop_gradient(jnp.real(x) if jnp.iscomplexobj(x) else x)
   try:
-    first = jnp.ravel(x)[0]
+    first = x[(0,) * jnp.ndim(x)]
   except compat.ShardingTypeError:
     first = jnp.max(x)
   if first.dtype == np.bool_:
