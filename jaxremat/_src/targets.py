@@ -504,8 +504,10 @@ def compile_for(
 
   Array arguments (and `jax.ShapeDtypeStruct`) become ``ShapeDtypeStruct`` placed on the
   target's first device; a struct whose sharding already lies on the target's devices
-  (e.g. a ``NamedSharding`` on a mesh of them, for SPMD) keeps it. Static arguments of a
-  jitted ``fn`` are left alone.
+  (e.g. a ``NamedSharding`` on a mesh of them, for SPMD) keeps it. A step laid out on a
+  mesh of this machine's devices is laid over as many of the target's (`_on_devices`),
+  its other arguments replicated there. Static arguments of a jitted ``fn`` are left
+  alone.
 
   Args:
     target: a `get_target` name, a `Target`, or None (this machine's backend).
