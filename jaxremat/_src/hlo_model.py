@@ -160,7 +160,7 @@ def collective_bytes(hlo: str) -> dict[int, int]:
 
   out: dict[int, int] = {}
   for instruction, sent in collectives(hlo):
-    scopes = [int(k) for k in _SCOPED.findall(instruction.line)] or [first_scope(instruction)]
+    scopes = _scopes(instruction.line) or [first_scope(instruction)]
     for j, size in enumerate(sent):
       k = scopes[j] if len(scopes) == len(sent) else scopes[0]
       if k is not None:
@@ -232,7 +232,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
       roots = [_scope(instruction.line)]
       if instruction.opcode == "fusion" and body:
         roots = _fusion_roots(body) or roots
-      elif len(listed := [int(k) for k in _SCOPED.findall(instruction.line)]) == len(sizes_of) > 1:
+      elif len(listed := _scopes(instruction.line)) == len(sizes_of) > 1:
         roots = listed  # ops XLA combined (one all-reduce of every gradient) name each output
       roots_of[name] = roots
       own[name] = next((k for k in roots if k is not None), _scope(instruction.line))
@@ -469,5 +469,10 @@ def _value_scope(instruction: Instruction | None, by_name: dict[str, Instruction
 
 def _scope(line: str) -> int | None:
   """The innermost equation scope in an instruction's metadata."""
-  found = _SCOPED.findall(line)
-  return int(found[-1]) if found else None
+  found = _scopes(line)
+  return found[-1] if found else None
+
+
+def _scopes(line: str) -> list[int]:
+  """Every equation scope in an instruction's metadata, in order."""
+  return [int(k) for k in _SCOPED.findall(line)]

@@ -56,7 +56,7 @@ def mesh_sharding(x: Any) -> Any:
   """The sharding of ``x`` where it spans more than one device, else None (a value on
   one device runs wherever the step runs)."""
   concrete = isinstance(x, jax.ShapeDtypeStruct) or (
-    isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    isinstance(x, jax.Array) and not isinstance(x, compat.Tracer)
   )
   sharding = x.sharding if concrete else None
   return sharding if sharding is not None and len(sharding.device_set) > 1 else None

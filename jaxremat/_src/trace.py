@@ -140,8 +140,7 @@ def trace_program(
     # On a real H100 the rules put the MLP example's plan at 0.7 at 29.50 MiB, where its
     # compiler measured 32.30 (benchmarks/README.md, "On a real GPU"). The rules know one
     # device: a step partitioned over a mesh holds what its compiled program says.
-    sharded = signature.partitioned
-    model = "rules" if target.platform == "cpu" and not sharded else "compiler"
+    model = "rules" if target.platform == "cpu" and not signature.partitioned else "compiler"
   flat_fn = FlatStep(fn, signature)
   fn_name = name or getattr(fn, "__name__", None) or type(fn).__name__
   try:
