@@ -858,6 +858,7 @@ def test_a_step_laid_out_on_host_devices_is_compiled_for_as_many_tpu_chips(tmp_p
   from examples import sharded
   from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
+  needs("tpu-v5e")
   host = jax.devices("cpu")
   sizes = {"vocab": 64, "d_model": 64, "n_layers": 2, "seq_len": 32, "batch": 8}
   step, args, _ = sharded.sharded_train_step("gpt", "fsdp", host[:4], **sizes)
