@@ -80,6 +80,7 @@ def run_step(name: str, mode: str, time_limit_s: float, target: str | None, **si
     row = _row(name, mode, "jaxremat", budget, plan.measurement, base, chosen.predicted_peak_bytes)
     row["plan_s"] = round(time.perf_counter() - start, 1)
     row["plans"] = len(plan.attempts)
+    row["chosen_by"] = f"{chosen.solver} ({chosen.origin})"  # which part of jaxremat
     row["outputs_match"] = _close(plan.compiled(*place()), expected)
     row["sent_mib"] = round(plan.measurement.sent_bytes / 2**20, 2)
     rows.append(row)

@@ -140,11 +140,13 @@ def collective_bytes(hlo: str) -> dict[int, int]:
     >>> collective_bytes("ENTRY %main (p: f32[16]) -> f32[64] {\\n" + line + "\\n}")
     {3: 192}
   """
+  found = collectives(hlo)
   readers: dict[str, list[Instruction]] = collections.defaultdict(list)
-  for computation in computations(hlo).values():
-    for i in computation.instructions:
-      for o in i.operands:
-        readers[o].append(i)
+  if any(not _scopes(i.line) for i, _ in found):
+    for computation in computations(hlo).values():
+      for i in computation.instructions:
+        for o in i.operands:
+          readers[o].append(i)
 
   def first_scope(instruction: Instruction) -> int | None:
     """The first equation that reads what an unnamed instruction makes (newer JAX names
@@ -159,7 +161,7 @@ def collective_bytes(hlo: str) -> dict[int, int]:
     return None
 
   out: dict[int, int] = {}
-  for instruction, sent in collectives(hlo):
+  for instruction, sent in found:
     scopes = _scopes(instruction.line) or [first_scope(instruction)]
     for j, size in enumerate(sent):
       k = scopes[j] if len(scopes) == len(sent) else scopes[0]

@@ -139,6 +139,8 @@ def collectives(hlo_text: str) -> list[tuple[Instruction, list[int]]]:
   (n - 1) / n of its result, a reduce-scatter n - 1 times its result, an all-reduce twice
   (n - 1) / n of it, over groups of n devices."""
   out = []
+  if not any(f" {kind}" in hlo_text for kind in COLLECTIVES):  # one device's program
+    return out
   for computation in computations(hlo_text).values():
     for i in computation.instructions:
       kind = i.opcode.removesuffix("-start")

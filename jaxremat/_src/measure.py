@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -66,12 +67,12 @@ class Measurement:
   device_peak_bytes: int | None
   hlo_text: str = dataclasses.field(repr=False, default="")
 
-  @property
+  @functools.cached_property
   def partitions(self) -> int:
     """Devices the step is partitioned over; the figures are one device's."""
     return partitions(self.hlo_text)
 
-  @property
+  @functools.cached_property
   def sent_bytes(self) -> int:
     """Bytes each device sends for the step's collectives (`hlo_text.collectives`)."""
     return sent_bytes(self.hlo_text)

@@ -31,7 +31,7 @@ from jaxremat._src.loops import LoopRewrite
 from jaxremat._src.measure import Measurement
 from jaxremat._src.order import memory_minimizing_order
 from jaxremat._src.signature import CallSignature, OutputSplit, abstract
-from jaxremat._src.targets import INTERCONNECT_RATES, Target
+from jaxremat._src.targets import Target
 
 # -- the Program: a flat jaxpr and the graph over it --------------------------------------
 
@@ -262,7 +262,8 @@ def build_program(
       )
     )
   if compiled is not None and compiled.collective_bytes:
-    link = interconnect_bytes_per_s(target, roof)
+    # Host devices copy through memory; shape costs have no rates.
+    link = (target and target.interconnect_rate()) or (roof.bytes_per_s if roof else math.inf)
     for g, eqn_ids in enumerate(groups):
       sent = sum(compiled.collective_bytes.get(k, 0) for k in eqn_ids)
       if sent:
@@ -346,13 +347,6 @@ def _device_fractions(
   (its compiled bytes over its whole bytes)."""
   held = {**dict(zip(jaxpr.invars, argument_bytes, strict=True)), **materialized}
   return {v: b / compat.aval_bytes(v.aval) for v, b in held.items() if compat.aval_bytes(v.aval)}
-
-
-def interconnect_bytes_per_s(target: Target | None, roof: costs.Roofline | None) -> float:
-  """What a device sends to another per second: the target's published chip-to-chip rate,
-  or memory bandwidth (host devices copy through memory); infinite for shape costs."""
-  rate = INTERCONNECT_RATES.get(target.device_kind) if target is not None else None
-  return rate or (roof.bytes_per_s if roof is not None else math.inf)
 
 
 def _order_holding_least(graph: RematGraph) -> tuple[int, ...]:

@@ -260,6 +260,34 @@ class FlatStep:
     return [x for x, m in zip(leaves, mask) if m]
 
 
+def step_signature(
+  fn: Any,
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  *,
+  static_argnums: int | Sequence[int] = (),
+  static_argnames: str | Sequence[str] = (),
+  donate_argnums: int | Sequence[int] = (),
+) -> CallSignature:
+  """`call_signature` of a call of ``fn``, with the static and donated arguments of a
+  ``jax.jit``-wrapped ``fn`` (`jit_options`) beside the ones given."""
+  jitted = jit_options(fn)
+  return call_signature(
+    args,
+    kwargs,
+    static_argnums=_union(static_argnums, jitted.get("static_argnums", ())),
+    static_argnames=_union(static_argnames, jitted.get("static_argnames", ())),
+    donate_argnums=_union(donate_argnums, jitted.get("donate_argnums", ())),
+    donate_argnames=jitted.get("donate_argnames", ()),
+    trace_scalars=jitted.get("trace_scalars", True),
+  )
+
+
+def _union(a: int | str | Sequence, b: Sequence) -> tuple:
+  a = (a,) if isinstance(a, (int, str)) else tuple(a)
+  return tuple(dict.fromkeys([*a, *b]))
+
+
 def jit_options(fn: Any) -> dict[str, Any]:
   """The `call_signature` options a wrapped ``fn`` implies: the static and donated
   arguments of a `jax.jit` wrapper (donated names also as positions), Python scalars kept

@@ -41,7 +41,7 @@ from jaxremat._src import compat
 from jaxremat._src.backends import BackendFacts, backend_facts
 from jaxremat._src.errors import TargetUnavailableError
 from jaxremat._src.hlo_text import computations, count_hlo_ops, library_convolution_flops
-from jaxremat._src.signature import FlatStep, call_signature, mesh_sharding
+from jaxremat._src.signature import FlatStep, mesh_sharding, step_signature
 
 PLATFORMS: Final = ("cpu", "tpu", "gpu")
 TPU_AOT_EXTRA: Final = "tpu-aot"
@@ -250,6 +250,11 @@ class Target:
       "seconds without the device: trace it with costs='shape', or add its (flop/s, "
       "byte/s) to jaxremat._src.targets.PEAK_RATES."
     )
+
+  def interconnect_rate(self) -> float | None:
+    """Bytes/s the device sends to another over its chip-to-chip links
+    (`INTERCONNECT_RATES`); None where none is published (host CPU devices)."""
+    return INTERCONNECT_RATES.get(self.device_kind)
 
   def devices(self) -> tuple[Any, ...]:
     """The devices compiled for: this machine's own, else the topology's compile-only ones.
@@ -583,17 +588,7 @@ def _on_devices(
   Raises:
     ValueError: a mesh has another number of devices than the target's topology.
   """
-  info = compat.jit_info(fn) or {}
-  signature = call_signature(
-    args,
-    kwargs,
-    static_argnums=info.get("static_argnums", ()),
-    static_argnames=info.get("static_argnames", ()),
-    donate_argnums=(
-      *((donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums),
-      *info.get("donate_argnums", ()),
-    ),
-  )
+  signature = step_signature(fn, args, kwargs, donate_argnums=donate_argnums)
   meshes: dict[Any, Any] = {}
 
   def moved(x: Any) -> Any:

@@ -28,7 +28,7 @@ from jaxremat._src.errors import UnsupportedError
 from jaxremat._src.graph import RematGraph
 from jaxremat._src.loops import shed_residuals
 from jaxremat._src.program import Program, build_program
-from jaxremat._src.signature import CallSignature, FlatStep, call_signature, jit_options
+from jaxremat._src.signature import CallSignature, FlatStep, step_signature
 from jaxremat._src.targets import Target, get_target
 
 
@@ -126,15 +126,13 @@ def trace_program(
   check_model(model)
   target = get_target(target)
   if signature is None:
-    jitted = jit_options(fn)
-    signature = call_signature(
+    signature = step_signature(
+      fn,
       args,
       kwargs,
-      static_argnums=_union(static_argnums, jitted.get("static_argnums", ())),
-      static_argnames=_union(static_argnames, jitted.get("static_argnames", ())),
-      donate_argnums=_union(donate_argnums, jitted.get("donate_argnums", ())),
-      donate_argnames=jitted.get("donate_argnames", ()),
-      trace_scalars=jitted.get("trace_scalars", True),
+      static_argnums=static_argnums,
+      static_argnames=static_argnames,
+      donate_argnums=donate_argnums,
     )
   if model == "auto":
     # On a real H100 the rules put the MLP example's plan at 0.7 at 29.50 MiB, where its
@@ -203,11 +201,6 @@ MSG_CONCRETE = (
   "and Python scalars as jax.jit does: name the argument in static_argnums or "
   "static_argnames (as for jax.jit), or use lax.cond / jnp.where."
 )
-
-
-def _union(a: int | str | Sequence, b: Sequence) -> tuple:
-  a = (a,) if isinstance(a, (int, str)) else tuple(a)
-  return tuple(dict.fromkeys([*a, *b]))
 
 
 def trace(fn: Callable, *args, **kwargs) -> RematGraph:
