@@ -52,6 +52,7 @@ def _close(got, want) -> bool:
 def run_step(name: str, mode: str, time_limit_s: float, target: str | None, **sizes) -> list[dict]:
   import jaxremat
   from examples import _common, sharded
+  from jaxremat._src.verify import collectives_as_planned, planned_sent_bytes, unplanned_sent_bytes
   from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
   def measured(variant=None):
@@ -83,6 +84,13 @@ def run_step(name: str, mode: str, time_limit_s: float, target: str | None, **si
     row["chosen_by"] = f"{chosen.solver} ({chosen.origin})"  # which part of jaxremat
     row["outputs_match"] = _close(plan.compiled(*place()), expected)
     row["sent_mib"] = round(plan.measurement.sent_bytes / 2**20, 2)
+    # What the recomputations' collectives send (the model's), and beyond the step's and
+    # theirs, what XLA sends (`verify.collectives_as_planned`).
+    planned = planned_sent_bytes(plan.program, plan.schedule)
+    unplanned = unplanned_sent_bytes(base.sent_bytes, plan.measurement.sent_bytes, planned)
+    row["planned_sent_mib"] = round(planned / 2**20, 2)
+    row["unplanned_sent_mib"] = round(unplanned / 2**20, 2)
+    row["collectives_as_planned"] = collectives_as_planned(unplanned, base.sent_bytes)
     rows.append(row)
   for row in rows:
     if row["method"] == "jaxremat":

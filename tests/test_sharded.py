@@ -17,7 +17,7 @@ import jaxremat
 from examples import sharded
 from jaxremat._src import hlo_model
 from jaxremat._src.hlo_text import count_hlo_ops
-from jaxremat._src.signature import call_signature
+from jaxremat._src.signature import FlatStep, call_signature
 from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
 GPT = {"vocab": 64, "d_model": 64, "n_layers": 2, "seq_len": 32, "batch": 8}
@@ -78,10 +78,48 @@ def test_optimize_meets_a_per_device_budget_and_keeps_the_shardings(fsdp_gpt, tm
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5 * scale, rtol=1e-4)
   text = str(fast.report(*place(host), runs=1))
   assert "per device of 4" in text and "sent, model" in text and "sent, XLA" in text
+  # Every plan's collectives are measured; one that sends what nothing planned is handed
+  # out only after the other fence, and the report says what it sends beyond the plan.
+  assert all(a.sent_bytes > 0 for a in plan.attempts)
+  as_planned = plan.verification.collectives_as_planned
+  assert ("neither the step nor the plan's recomputations" in text) == (not as_planned)
+  if not as_planned:
+    assert {a.pin for a in plan.attempts} >= {"all", "recomputations"}
   # The same collectives, and those the recomputations need: none dropped.
   original = jaxremat.measure(step, *place(host), runs=0, donate_argnums=(0, 1))
   before, after = _collectives(original.hlo_text), _collectives(plan.measurement.hlo_text)
   assert all(after[c] >= n for c, n in before.items())
+
+
+def test_verify_finds_collectives_that_nothing_planned(fsdp_gpt, tmp_path):
+  # Fencing every equation on the one before it routes each product's FSDP weight through
+  # a fence; XLA then gathers the weight for each of its readers instead of once for all:
+  # collectives that no recomputation asked for (the baseline schedule recomputes nothing).
+  step, args, _ = fsdp_gpt
+  program = jaxremat.trace_program(step, *args, cache_dir=tmp_path)
+  schedule = jaxremat.baseline_schedule(program.graph)
+  signature = call_signature(args, {}, donate_argnums=(0, 1))
+  leaves = signature.dynamic_leaves(args, {})
+  original = jaxremat.measure(step, *args, runs=0, donate_argnums=(0, 1))
+  found = {
+    pin: jaxremat.verify(
+      FlatStep(step, signature),
+      FlatStep(jaxremat.emit(program, schedule, pin=pin), signature),
+      schedule,
+      *leaves,
+      program=program,
+      original=original,
+      donate_argnums=signature.donated_leaves,
+    )
+    for pin in ("recomputations", "all")
+  }
+  unfenced, fenced = found["recomputations"], found["all"]
+  assert unfenced.planned_sent_bytes == fenced.planned_sent_bytes == 0
+  assert unfenced.emitted.sent_bytes == original.sent_bytes > 0
+  assert unfenced.collectives_as_planned and unfenced.unplanned_sent_bytes == 0
+  assert fenced.outputs_match and fenced.emitted.sent_bytes > original.sent_bytes
+  assert fenced.unplanned_sent_bytes > 0.2 * original.sent_bytes
+  assert not fenced.collectives_as_planned and not fenced.ok(peak_rtol=10.0)
 
 
 def test_an_inlined_jits_out_shardings_are_kept(tmp_path):

@@ -85,6 +85,13 @@ class Roofline:
     return max(flops / self.flops_per_s, bytes_accessed / self.bytes_per_s)
 
 
+def link_bytes_per_s(target: Target | None, memory_bytes_per_s: float | None) -> float:
+  """What each device of a partitioned step sends per second: the target's published
+  chip-to-chip rate, or where it has none (host CPU devices, which copy through memory)
+  the memory's; infinite without either."""
+  return (target and target.interconnect_rate()) or memory_bytes_per_s or math.inf
+
+
 def kernel_seconds(
   eqn_costs: Sequence[EqnCost], kernel_bytes: float, roof: Roofline | None
 ) -> float:

@@ -262,8 +262,7 @@ def build_program(
       )
     )
   if compiled is not None and compiled.collective_bytes:
-    # Host devices copy through memory; shape costs have no rates.
-    link = (target and target.interconnect_rate()) or (roof.bytes_per_s if roof else math.inf)
+    link = costs.link_bytes_per_s(target, roof.bytes_per_s if roof else None)
     for g, eqn_ids in enumerate(groups):
       sent = sum(compiled.collective_bytes.get(k, 0) for k in eqn_ids)
       if sent:

@@ -10,6 +10,7 @@ from typing import Any
 from jaxremat._src.measure import Measurement, measure
 from jaxremat._src.planner import Plan
 from jaxremat._src.signature import FlatStep
+from jaxremat._src.verify import collectives_as_planned, planned_sent_bytes, unplanned_sent_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +115,14 @@ class Report:
       "",
     ]
     lines += [f"{a:<16}{b:>14}{c:>14}{d:>9}" for a, b, c, d in rows]
+    unplanned = unplanned_sent_bytes(
+      orig.sent_bytes, opt.sent_bytes, planned_sent_bytes(p.program, p.schedule)
+    )
+    if not collectives_as_planned(unplanned, orig.sent_bytes):
+      lines.append(
+        f"XLA sends {unplanned / mib:.1f} MiB per device that neither the step nor the "
+        "plan's recomputations need: the partitioner split the emitted program otherwise."
+      )
     if p.program.loops:
       lines += ["", "loops that store less for the backward pass:"]
       lines += [f"  {loop.line}" for loop in p.program.loops]
