@@ -691,11 +691,12 @@ class _Loop:
     is compiled with both (the target's `BackendFacts.pin_first` first), and the one XLA
     measured lower comes first for the step's next plans. A later plan gets the other
     fence too where XLA held more beyond the model than on the original step, or undid
-    it; a plan that met the budget, where its collectives send more than the step's and
-    its recomputations' (`collectives_as_planned`). Retries do not count as solves. The first plan of the MobileNet example at 0.7
-    measured lower pinned on XLA:CPU (x0.428 of the peak against x0.796) and higher on
-    H100 (x0.783 against x0.705); of VGG16 on TPU v5e, x0.905 pinned and x0.737 not
-    (benchmarks/pinning.py). The policy's plan is a candidate beside a plan that met the
+    it; so does a plan that met the budget where its collectives send more than the
+    step's and its recomputations' (`collectives_as_planned`: the FSDP GPT example's
+    plans, every equation fenced, gathered each weight for each reader). Retries do not
+    count as solves. The first plan of the MobileNet example at 0.7 measured lower pinned
+    on XLA:CPU (x0.428 of the peak against x0.796) and higher on H100 (x0.783 against
+    x0.705); of VGG16 on TPU v5e, x0.905 pinned and x0.737 not (benchmarks/pinning.py). The policy's plan is a candidate beside a plan that met the
     budget already (`try_dots_saveable`), compiled once: where the target keeps
     `jax.checkpoint`'s barrier, as `jax.checkpoint` compiles the policy
     (``pin="checkpoint"``). On the GPT example on XLA:CPU a second fence cost 5 s of the

@@ -35,6 +35,9 @@ from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 # XLA rewrites some convolutions as dots (1x1 kernels on XLA:CPU), so a planned
 # convolution may survive as a dot: opcodes in one group are counted together.
 _OPCODE_GROUPS = (("dot", "convolution"), ("fft",), ("sort",))
+# What a partitioned step's emitted program may send beyond the original's and the plan's
+# collectives, as a share of the original's (`collectives_as_planned`).
+SENT_RTOL: Final = 0.10
 
 # -- output comparison: constants ---------------------------------------------------------
 
@@ -1047,9 +1050,6 @@ def collectives_as_planned(unplanned_bytes: int, original_bytes: int) -> bool:
   that nothing planned, such as a fence that gathered a split value whole (20.8 MiB per
   device against the step's 11.7), is well beyond it."""
   return unplanned_bytes <= SENT_RTOL * original_bytes
-
-
-SENT_RTOL: Final = 0.10
 
 
 def _count_expensive(eqn: Any, counts: collections.Counter) -> None:
