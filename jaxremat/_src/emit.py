@@ -330,11 +330,13 @@ def inlined_reads(program: Any) -> tuple[tuple[int, ...] | None, ...]:
   reader, from the copies of its operands live there, as XLA does. Read from its own
   first computation, it kept that first copy of a recomputed operand live as well: on the
   ResNet step for TPU v5e, three 8 MiB convolution outputs that a plan recomputed stayed
-  live through the backward pass. A value with expensive work in it (a product, say) stays
-  a computation of its own, as does a dot XLA:CPU fuses with all its readers (``epilogue``): evaluated in each
-  reader's fenced run, it would be computed once per reader. (On TPU v5e, the GPT step's
-  plan at 0.7 pinned in its order ran 16 products more than planned: x1.44 of the step's
-  FLOPs where the model counted x1.18.)
+  live through the backward pass. A kept value that XLA computes again inside a reader
+  (node attribute ``remakes`` of the reader) is evaluated inside it too. A value with
+  expensive work in it (a product, say) stays a computation of its own, as does a dot
+  XLA:CPU fuses with all its readers (``epilogue``): evaluated in each reader's fenced
+  run, it would be computed once per reader. (On TPU v5e, the GPT step's plan at 0.7
+  pinned in its order ran 16 products more than planned: x1.44 of the step's FLOPs where
+  the model counted x1.18.)
   """
   graph, eqns = program.graph, program.jaxpr.jaxpr.eqns
   outputs = set(_vars(program.jaxpr.jaxpr.outvars))
@@ -355,8 +357,8 @@ def inlined_reads(program: Any) -> tuple[tuple[int, ...] | None, ...]:
     todo = [v]
     while todo:
       u = todo.pop()
-      for x in _vars(x for i in program.node_eqns[u] for x in eqns[i].invars):
-        d = made_by.get(x)
+      reads = _vars(x for i in program.node_eqns[u] for x in eqns[i].invars)
+      for d in [*graph.nodes[u].attrs.get("remakes", ()), *map(made_by.get, reads)]:
         if d is not None and d not in found:
           found.add(d)
           todo.append(d)

@@ -75,6 +75,9 @@ class CompiledValues:
   read_for: dict[int, set[int]]  # kept equation -> the others whose instructions read it
   constants: dict[int, int]  # equation -> bytes made from constants at the start, held for it
   hoisted: frozenset[int]  # equations whose output buffer XLA makes at the start
+  # kept equation -> equations of later instructions that compute it again from its
+  # operands instead of reading its buffer
+  remade_for: dict[int, set[int]] = dataclasses.field(default_factory=dict)
   measurement: Measurement | None = None  # the compiler's figures for the program
   partitions: int = 1  # devices the step is partitioned over; sizes are one device's
   collective_bytes: dict[int, int] = dataclasses.field(default_factory=dict)  # equation ->
@@ -215,6 +218,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   from_constants: dict[str, set[int]] = {}  # instruction -> its outputs made from constants
   reducing: set[str] = set()  # instructions that reduce (`_REDUCING`)
   conversions: dict[str, str] = {}  # instruction that only converts -> its one operand
+  inside: dict[str, set[int]] = {}  # fusion -> the equations its body computes
   for at, instruction in enumerate(entry.instructions):
     name, operands = instruction.name, instruction.operands
     if instruction.opcode in ("parameter", "constant"):
@@ -234,6 +238,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
       roots = [_scope(instruction.line)]
       if instruction.opcode == "fusion" and body:
         roots = _fusion_roots(body) or roots
+        inside[name] = {k for i in body if (k := _scope(i.line)) is not None}
       elif len(listed := _scopes(instruction.line)) == len(sizes_of) > 1:
         roots = listed  # ops XLA combined (one all-reduce of every gradient) name each output
       roots_of[name] = roots
@@ -392,6 +397,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
         # (a gradient's partial sums, all-reduced): both are not held at once for long.
         sizes[holder] += max(size - replaced(instruction, holder), 0) if collective else size
         read_for.setdefault(holder, set()).update(readers - {holder, None})
+  remade_for = _remade_for(entry.instructions, inside, elements, roots_of, sizes)
   # Each is held until the first value made after its last reader runs (XLA:CPU runs a
   # pool gradient's argmax with the forward pool, under the gradient's name).
   by_position = sorted((at, k) for k, at in position.items())
@@ -407,7 +413,34 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
     read_for,
     constants,
     frozenset(hoisted),
+    remade_for,
   )
+
+
+def _remade_for(
+  instructions: list[Instruction],
+  inside: dict[str, set[int]],
+  elements: dict[str, list[tuple[str, int]]],
+  roots_of: dict[str, list[int | None]],
+  kept: dict[int, int],
+) -> dict[int, set[int]]:
+  """Kept equation -> the equations of the fusions that compute it again from its
+  operands, reading none of its buffers. XLA:CPU computes a batch norm's output into the
+  forward pass's ReLU and again inside the backward pass's ReLU gradient, from the held
+  convolution output: the 4 MiB buffer it keeps of the value lives through the forward
+  pass only (the Flax CNN step)."""
+  made: dict[int, set[tuple[str, int]]] = {}
+  for name, roots in roots_of.items():
+    for j, k in enumerate(roots):
+      made.setdefault(k, set()).add((name, j))
+  out: dict[int, set[int]] = {}
+  for instruction in instructions:
+    computed = inside.get(instruction.name, set())
+    reads = {b for o in instruction.operands for b in elements.get(o, [])}
+    for k in computed & kept.keys():
+      if k not in roots_of[instruction.name] and not reads & made.get(k, set()):
+        out.setdefault(k, set()).update(computed - {k})
+  return out
 
 
 def _own_step(

@@ -168,8 +168,10 @@ def build_program(
           edges.add((u, v_node))
           exported[u].add(v)
   node_of = {k: n_in + g for g, eqn_ids in enumerate(groups) for k in eqn_ids}
+  remakes: dict[int, list[int]] = {}
   if compiled is not None:
     _add_compiled_reads(edges, node_of, compiled.read_for)
+    remakes = _remade_reads(edges, node_of, compiled)
   # XLA recomputes a duplicated value inside each reader's fusion: its operands, not
   # the value, stay live until the last reader. In root order, so that the sources of a
   # chain of duplicated values reach the readers at its end.
@@ -261,6 +263,8 @@ def build_program(
         fractions,
       )
     )
+  for w, remade in remakes.items():
+    nodes[w] = dataclasses.replace(nodes[w], attrs={**nodes[w].attrs, "remakes": remade})
   if compiled is not None and compiled.collective_bytes:
     link = costs.link_bytes_per_s(target, roof.bytes_per_s if roof else None)
     for g, eqn_ids in enumerate(groups):
@@ -375,6 +379,26 @@ def _add_compiled_reads(
       if (u, w) not in edges and not (w in reach and u in reach and nx.has_path(reach, w, u)):
         edges.add((u, w))
         reach.add_edge(u, w)
+
+
+def _remade_reads(
+  edges: set[tuple[int, int]], node_of: dict[int, int], compiled: hlo_model.CompiledValues
+) -> dict[int, list[int]]:
+  """A node whose compiled instructions compute a kept value again from its operands,
+  reading none of its buffers (`CompiledValues.remade_for`), reads those operands instead
+  of the value, which need not live until that node runs. Returns, per such node, the
+  nodes it computes again (the emitted program evaluates them inside it, as XLA does)."""
+  remakes: dict[int, list[int]] = {}
+  for k, remakers in sorted(compiled.remade_for.items()):
+    u = node_of[k]
+    sources = [p for p, w in edges if w == u]
+    reading = {node_of[r] for r in compiled.read_for.get(k, ()) if r in node_of}
+    for w in sorted({node_of[r] for r in remakers if r in node_of} - reading - {u}):
+      if (u, w) in edges:
+        edges.discard((u, w))
+        edges.update((p, w) for p in sources)
+        remakes.setdefault(w, []).append(u)
+  return remakes
 
 
 def _constants(n_in: int, n_nodes: int, edges: set[tuple[int, int]]) -> set[int]:
