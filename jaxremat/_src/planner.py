@@ -691,19 +691,19 @@ class _Loop:
     is compiled with both (the target's `BackendFacts.pin_first` first), and the one XLA
     measured lower comes first for the step's next plans. A later plan gets the other
     fence too where XLA held more beyond the model than on the original step, or undid
-    it; so does a plan that met the budget where its collectives send more than the
-    step's and its recomputations' (`collectives_as_planned`: the FSDP GPT example's
-    plans, every equation fenced, gathered each weight for each reader). Retries do not
-    count as solves. The first plan of the MobileNet example at 0.7 measured lower pinned
-    on XLA:CPU (x0.428 of the peak against x0.796) and higher on H100 (x0.783 against
-    x0.705); of VGG16 on TPU v5e, x0.905 pinned and x0.737 not (benchmarks/pinning.py). The policy's plan is a candidate beside a plan that met the
-    budget already (`try_dots_saveable`), compiled once: where the target keeps
-    `jax.checkpoint`'s barrier, as `jax.checkpoint` compiles the policy
-    (``pin="checkpoint"``). On the GPT example on XLA:CPU a second fence cost 5 s of the
-    first call and measured 63.4 MB as the first had (budget 54.5). A plan in an order
-    compiled already is not compiled again: a replan may return the plan before it (the
-    ConvMixer step for TPU v5e at 0.7, at a minute per compile; the same plan in another
-    order is compiled again).
+    it; so does a plan that met the budget where its collectives send more than the step's
+    and its recomputations' (`collectives_as_planned`: the FSDP GPT example's plans, every
+    equation fenced, gathered each weight for each reader). Retries do not count as
+    solves. The first plan of the MobileNet example at 0.7 measured lower pinned on
+    XLA:CPU (x0.428 of the peak against x0.796) and higher on H100 (x0.783 against
+    x0.705); of VGG16 on TPU v5e, x0.905 pinned and x0.737 not (benchmarks/pinning.py).
+    The policy's plan is a candidate beside a plan that met the budget already
+    (`try_dots_saveable`), compiled once: where the target keeps `jax.checkpoint`'s
+    barrier, as `jax.checkpoint` compiles the policy (``pin="checkpoint"``). On the GPT
+    example on XLA:CPU a second fence cost 5 s of the first call and measured 63.4 MB as
+    the first had (budget 54.5). A plan in an order compiled already is not compiled
+    again: a replan may return the plan before it (the ConvMixer step for TPU v5e at 0.7,
+    at a minute per compile; the same plan in another order is compiled again).
     """
     recomputes = False  # a solved plan that recomputes: both fences apply
     if origin in ("solve", "policy"):
