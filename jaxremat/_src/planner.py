@@ -308,7 +308,7 @@ def make_plan(
       f"time_limit={opts.time_limit} s; raise the time limit or the budget."
     )
   # Plans whose collectives are the step's and their recomputations' come first.
-  met = [t for t in loop.tried if t.met and t.as_planned] or [t for t in loop.tried if t.met]
+  met = [t for t in loop.tried if t.met and loop.as_planned(t)] or [t for t in loop.tried if t.met]
   per_byte = _flops_per_sent_byte(program, opts.target)
   figures = [
     (
@@ -323,7 +323,7 @@ def make_plan(
     if met
     else min(loop.tried, key=lambda t: (not t.kept, t.compiled.peak_bytes))
   )
-  if not best.as_planned:
+  if not loop.as_planned(best):
     logger.warning(
       MSG_UNPLANNED_COLLECTIVES.format(
         mib=best.unplanned_sent_bytes / 2**20, step_mib=loop.baseline_sent_bytes / 2**20
@@ -587,7 +587,6 @@ class _Tried:
   met: bool
   kept: bool  # XLA kept every planned expensive recomputation
   unplanned_sent_bytes: int  # what each device sends that neither step nor plan asked for
-  as_planned: bool  # within `collectives_as_planned`'s tolerance
 
 
 def as_xla_allocates(graph: RematGraph, alias_bytes: int) -> tuple[RematGraph, int]:
@@ -661,6 +660,10 @@ class _Loop:
   def met(self) -> bool:
     return any(t.met for t in self.tried)
 
+  def as_planned(self, tried: _Tried) -> bool:
+    """Whether the plan's collectives send what the step's and its recomputations' do."""
+    return collectives_as_planned(tried.unplanned_sent_bytes, self.baseline_sent_bytes)
+
   def predicted_peak_bytes(self, schedule: Schedule) -> int:
     """The model's peak of ``schedule`` as XLA counts it."""
     return xla_accounted_peak_bytes(self.program.graph, schedule, self.alias_bytes)
@@ -719,7 +722,7 @@ class _Loop:
         pin = "checkpoint" if as_policy else self.pins[0]
         schedule = schedule.replace(stats={**schedule.stats, "pin": pin})
     tried = self._measure(schedule, origin)
-    done = tried.met and tried.as_planned
+    done = tried.met and self.as_planned(tried)
     if done or not recomputes or origin == "policy" or self.deadline.left_s() <= 0:
       return tried
     attempt = tried.attempt
@@ -772,8 +775,7 @@ class _Loop:
       compiled.measurement.flops,
       sent,
     )
-    as_planned = collectives_as_planned(unplanned, self.baseline_sent_bytes)
-    tried = _Tried(attempt, schedule, compiled, met, kept, unplanned, as_planned)
+    tried = _Tried(attempt, schedule, compiled, met, kept, unplanned)
     self.tried.append(tried)
     if not met:
       logger.info(

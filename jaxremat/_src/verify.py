@@ -1028,12 +1028,10 @@ def planned_recomputes(program: Any, schedule: Schedule) -> dict[str, int]:
 def planned_sent_bytes(program: Any, schedule: Schedule) -> int:
   """Bytes each device sends for the collectives of the schedule's (used) recomputations:
   an FSDP weight gathered again for a recomputed product, say."""
-  nodes = program.graph.nodes
-  return sum(
-    nodes[v].attrs.get("collective_bytes", 0)
-    for v, again in live_computes(program, schedule)
-    if again
-  )
+  sent = [node.attrs.get("collective_bytes", 0) for node in program.graph.nodes]
+  if not any(sent):  # one device's program: no plan to read
+    return 0
+  return sum(sent[v] for v, again in live_computes(program, schedule) if again)
 
 
 def unplanned_sent_bytes(original_bytes: int, emitted_bytes: int, planned_bytes: int) -> int:
