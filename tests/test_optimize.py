@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
+import types
 import warnings
 
 import jax
@@ -101,7 +103,7 @@ def test_optimize_meets_the_budget_as_xla_measures_it_and_matches_the_original(t
   # The model counts the FLOPs the compiled step runs (the recomputed layers twice).
   model = plan.schedule.stats["optimize"]
   predicted = model["predicted_flops"] / model["predicted_baseline_flops"]
-  assert predicted > 1.2
+  assert predicted > 1.1
   assert predicted == pytest.approx(report.optimized.flops / report.original.flops, rel=0.05)
 
 
@@ -416,8 +418,9 @@ def test_replanning_goes_below_the_failed_plans_own_peak():
 def test_the_solvers_see_output_buffers_held_from_the_start_as_xla_allocates_them():
   """XLA gives a step's outputs their own buffers for the whole program; the solvers plan
   on a graph where they cost nothing when computed and their bytes are held back from the
-  budget, so that a plan's peak there is XLA's accounting of it but for scratch and the
-  constants XLA makes at the start."""
+  budget, so that a plan's peak there is XLA's accounting of it but for scratch. An
+  output computed before the end (an optimizer's update, once its gradient is made) adds
+  nothing beyond them."""
   from jaxremat._src.planner import as_xla_allocates
   from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
@@ -426,15 +429,70 @@ def test_the_solvers_see_output_buffers_held_from_the_start_as_xla_allocates_the
   outputs = sum(graph.mem[v] for v in graph.outputs if not graph.is_input[v])
   solver_graph, reserved = as_xla_allocates(graph, alias_bytes=0)
   assert reserved == outputs > 0 and all(solver_graph.mem[v] == 0 for v in graph.outputs)
-  extras = sum(n.attrs.get("constant_bytes", 0) for n in graph.nodes)
-  extras += max(n.attrs.get("workspace_bytes", 0) for n in graph.nodes)
+  scratch = max(n.attrs.get("workspace_bytes", 0) for n in graph.nodes)
   baseline = jaxremat.baseline_schedule(graph)
   budget = int(0.8 * jaxremat.simulate(graph, baseline).peak_bytes)
   for schedule in (baseline, jaxremat.solve(graph, budget, solver="auto", time_limit=5)):
-    planned = jaxremat.simulate(solver_graph, schedule).peak_bytes + reserved
-    assert planned <= xla_accounted_peak_bytes(graph, schedule) <= planned + extras
+    for alias in (0, outputs):
+      planned = jaxremat.simulate(solver_graph, schedule).peak_bytes + max(0, reserved - alias)
+      accounted = xla_accounted_peak_bytes(graph, schedule, alias)
+      assert planned <= accounted <= planned + scratch
   # What XLA aliases to donated arguments is not held twice.
   assert as_xla_allocates(graph, alias_bytes=outputs)[1] == 0
+
+
+def test_the_solvers_hold_constants_until_the_copy_their_reader_reads():
+  """XLA makes a pool gradient's argmax iotas once, at the start, and holds them until the
+  argmax reads the pool's input for the gradient. In the solvers' graph they are a node
+  read by the node they are for and by that input, so a plan that keeps the input's
+  first copy frees them early, as XLA does; one that makes them again to free them
+  between two copies of the input sees less than XLA holds, and is planned again with
+  them held throughout (`_Loop.solve`)."""
+  from jaxremat._src.graph import Node
+  from jaxremat._src.planner import as_xla_allocates, in_graph
+  from jaxremat._src.xla_memory import xla_accounted_peak_bytes
+
+  # x -> pool input u (1) -> exponential k (2) -> sine (3) -> sum (4); the gradient (5)
+  # reads u and the sum; the iotas (8 bytes) are made for k, read with u for the gradient.
+  base = jaxremat.RematGraph.build(
+    mem=[1, 4, 1, 8, 1, 1],
+    cost=[0, 1, 1, 1, 1, 1],
+    edges=[(0, 1), (1, 2), (2, 3), (3, 4), (1, 5), (4, 5)],
+    inputs=[0],
+  )
+  nodes = list(base.nodes)
+  attrs = {"constant_bytes": 8, "constants_with": [1], "constants_for": [5]}
+  nodes[2] = Node(2, "k", 1, 1.0, attrs)
+  graph = dataclasses.replace(base, nodes=tuple(nodes))
+  solver_graph, reserved = as_xla_allocates(graph, alias_bytes=0)
+  (c,) = range(graph.n, solver_graph.n)
+  assert set(solver_graph.succs[c]) == {1, 2} and solver_graph.order[0] == c
+
+  def planned(g, computes):
+    schedule = jaxremat.schedule_from_computes(g, computes)
+    accounted = xla_accounted_peak_bytes(graph, in_graph(schedule, graph))
+    return jaxremat.simulate(g, schedule).peak_bytes + reserved, accounted
+
+  # The input's first copy kept: the iotas freed after the exponential, as XLA counts.
+  assert planned(solver_graph, [c, 1, 2, 3, 4, 5]) == (15, 15)
+  # The iotas and the input made again for the gradient: XLA holds the iotas throughout.
+  cheat, accounted = planned(solver_graph, [c, 1, 2, 3, 4, c, 1, 5])
+  assert cheat < accounted == 19
+  held, _ = as_xla_allocates(graph, alias_bytes=0, held_constants=frozenset({2}))
+  assert c in held.inputs and c not in held.order
+  assert planned(held, [1, 2, 3, 4, 1, 5]) == (accounted, accounted)
+
+  # The planner plans again with them held, for that plan and the next.
+  def plan(g):
+    computes = [1, 2, 3, 4, 1, 5] if c in g.inputs else [c, 1, 2, 3, 4, c, 1, 5]
+    return jaxremat.schedule_from_computes(g, computes)
+
+  loop = types.SimpleNamespace(
+    solver_graph=solver_graph, program=types.SimpleNamespace(graph=graph), alias_bytes=0
+  )
+  loop.held_constants = set()
+  assert _Loop.solve(loop, plan).computes == [1, 2, 3, 4, 1, 5]
+  assert loop.held_constants == {2} and c in loop.solver_graph.inputs
 
 
 def test_the_first_plan_is_made_below_the_budget_by_what_xla_holds_beyond_the_model(tmp_path):

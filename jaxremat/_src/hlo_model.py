@@ -78,6 +78,10 @@ class CompiledValues:
   # kept equation -> equations of later instructions that compute it again from its
   # operands instead of reading its buffer
   remade_for: dict[int, set[int]] = dataclasses.field(default_factory=dict)
+  # equation in constants -> the kept equation whose value the reader of those bytes reads
+  # last, and the equations that reader works for: it runs where the copy of that value
+  # they read is made (a max pool gradient's argmax, where the pool's input is made)
+  constants_for: dict[int, tuple[int, frozenset[int]]] = dataclasses.field(default_factory=dict)
   measurement: Measurement | None = None  # the compiler's figures for the program
   partitions: int = 1  # devices the step is partitioned over; sizes are one device's
   collective_bytes: dict[int, int] = dataclasses.field(default_factory=dict)  # equation ->
@@ -287,7 +291,9 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   read_for: dict[int, set[int]] = {}
   constants: dict[int, int] = {}
   hoisted: set[int] = set()
-  early: list[tuple[int, int]] = []  # bytes made from constants, where their last reader runs
+  # bytes made from constants (or indices) and where their last reader runs; for those made
+  # from constants, that reader
+  early: list[tuple[int, int, Instruction | None]] = []
   arguments = [0] * n_arguments
 
   def between(k: int | None, start: int, end: int, *also: int) -> bool:
@@ -356,7 +362,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
         if reader is not None and updated(b, size):
           hoisted.add(reader)
         else:
-          early.append((size, end))
+          early.append((size, end, entry.instructions[end]))
         continue
       collective = instruction.opcode.removesuffix("-start") in COLLECTIVES
       if k is not None and readers == {k} and (collective or between(k, at, end)):
@@ -388,7 +394,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
         # New values that no equation makes, held for one reader: a plan that moves the
         # reader does not move them (the U-Net example on H100: 0.74 MB of argmax
         # indices; a plan at 0.5 read 19% under XLA with them as scratch).
-        early.append((size, end))
+        early.append((size, end, None))
       elif reader is not None and (holder not in sizes or between(reader, at, end)):
         if not updated(b, size):  # else it is its reader's output
           scratch[reader] = scratch.get(reader, 0) + size
@@ -399,11 +405,20 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
         read_for.setdefault(holder, set()).update(readers - {holder, None})
   remade_for = _remade_for(entry.instructions, inside, elements, roots_of, sizes)
   # Each is held until the first value made after its last reader runs (XLA:CPU runs a
-  # pool gradient's argmax with the forward pool, under the gradient's name).
+  # pool gradient's argmax with the forward pool, under the gradient's name). A reader of
+  # bytes made from constants runs where the kept value it reads last is made: a plan that
+  # makes a max pool's input again in the backward pass moves the argmax there, and the
+  # iotas it reads are held until then (the U-Net example: 3.5 MiB).
   by_position = sorted((at, k) for k, at in position.items())
-  for size, end in early:
+  constants_for: dict[int, tuple[int, frozenset[int]]] = {}
+  for size, end, reader in early:
     k = next((k for at, k in by_position if at >= end), by_position[-1][1])
     constants[k] = constants.get(k, 0) + size
+    read = [] if reader is None else _values_read(reader, elements, roots_of, output_roots)
+    if made := [u for u in read if u in position]:
+      u = max(made, key=position.get)
+      if k not in constants_for or position[u] > position[constants_for[k][0]]:
+        constants_for[k] = (u, serves(reader.name) - {None})
   return CompiledValues(
     frozenset(sizes),
     sizes,
@@ -414,7 +429,23 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
     constants,
     frozenset(hoisted),
     remade_for,
+    constants_for,
   )
+
+
+def _values_read(
+  instruction: Instruction,
+  elements: dict[str, list[tuple[str, int]]],
+  roots_of: dict[str, list[int | None]],
+  output_roots: Any,
+) -> set[int]:
+  """The equations whose buffers ``instruction`` reads."""
+  return {
+    k
+    for o in instruction.operands
+    for maker, j in elements.get(o, [])
+    if maker in roots_of and (k := output_roots(maker)[j]) is not None
+  }
 
 
 def _remade_for(

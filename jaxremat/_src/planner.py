@@ -10,6 +10,7 @@ Every plan it hands out was verified in this process, also one read from the pla
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -33,7 +34,7 @@ from jaxremat._src.errors import (
   UnsupportedError,
   VerificationError,
 )
-from jaxremat._src.graph import RematGraph
+from jaxremat._src.graph import Node, RematGraph
 from jaxremat._src.loops import POLICIES, residual_loops
 from jaxremat._src.measure import Measurement, compile_and_measure
 from jaxremat._src.minimize import minimize_peak
@@ -61,6 +62,7 @@ from jaxremat._src.verify import (
 )
 from jaxremat._src.xla_memory import (
   device_peak_bytes,
+  held_apart,
   held_from_start,
   live_bytes_within,
   xla_accounted_peak_bytes,
@@ -589,22 +591,64 @@ class _Tried:
   unplanned_sent_bytes: int  # what each device sends that neither step nor plan asked for
 
 
-def as_xla_allocates(graph: RematGraph, alias_bytes: int) -> tuple[RematGraph, int]:
-  """``graph`` for the solvers, with XLA's allocation of the step's outputs, and the bytes
-  held back from the budget for them.
+def as_xla_allocates(
+  graph: RematGraph, alias_bytes: int, held_constants: frozenset[int] = frozenset()
+) -> tuple[RematGraph, int]:
+  """``graph`` for the solvers, with XLA's allocation of the step's outputs and of the
+  bytes it makes from constants, and the bytes held back from the budget for the outputs.
 
   XLA gives the step's outputs (and the buffers `trace` marks ``allocated_at_start``)
   their own buffers for the whole program: its peak charges them from the start, before
-  the plan computes them (`xla_memory.xla_accounted_peak_bytes`). In the returned graph those
-  nodes cost nothing when computed; their bytes, less what XLA aliases to donated
-  arguments, are the second result. A plan within ``budget - held`` there is within
-  ``budget`` as XLA counts it, but for scratch and constants. Same nodes and edges: a
-  schedule of one is a schedule of the other.
+  the plan computes them (`xla_memory.xla_accounted_peak_bytes`). In the returned graph
+  those nodes cost nothing when computed; their bytes, less what XLA aliases to donated
+  arguments, are the second result. XLA makes the bytes it makes from constants for a
+  node (``constant_bytes``) at the start and holds them until their reader runs. They
+  are a node of their own, after the graph's (`in_graph` drops it from a schedule): where
+  their reader reads a forward value (``constants_with``), first in the order and read by
+  that value and by the node they are for, so that a plan that keeps that value's first
+  copy frees them in the forward pass, as XLA does (making them again costs more than the
+  step twice); else, and for the nodes in ``held_constants`` (`_Loop.solve`), an input,
+  held throughout. A plan within ``budget - held`` there is within ``budget`` as XLA
+  counts it, but for scratch.
   """
-  held = held_from_start(graph)
-  nodes = tuple(dataclasses.replace(n, mem=0) if n.id in held else n for n in graph.nodes)
-  reserved = max(0, sum(graph.mem[v] for v in held) - alias_bytes)
-  return dataclasses.replace(graph, nodes=nodes), reserved
+  apart, reserved = held_apart(graph, alias_bytes)
+  hoisted = held_from_start(graph) - set(graph.outputs)
+  reserved += sum(graph.mem[v] for v in hoisted)
+  nodes = [dataclasses.replace(n, mem=0) if n.id in hoisted else n for n in apart.nodes]
+  edges, inputs, first = list(graph.edges), list(graph.inputs), []
+  remake_cost = 2 * sum(graph.cost)
+  for v in graph.order:
+    size = graph.nodes[v].attrs.get("constant_bytes")
+    if not size:
+      continue
+    c = len(nodes)
+    attrs = {"constant": True, "constants_of": v}
+    nodes.append(Node(c, f"constants for {graph.nodes[v].name}", size, remake_cost, attrs))
+    read = graph.nodes[v].attrs.get("constants_with", ())
+    forward = read and not any(graph.nodes[u].attrs.get("backward") for u in read)
+    if forward and v not in held_constants:
+      edges += [(c, u) for u in {v, *read}]
+      first.append(c)
+    else:
+      inputs.append(c)
+  solver_graph = dataclasses.replace(
+    apart,
+    nodes=tuple(nodes),
+    edges=tuple(edges),
+    inputs=tuple(inputs),
+    order=(*first, *graph.order),
+  )
+  return solver_graph, reserved
+
+
+def in_graph(schedule: Schedule, graph: RematGraph) -> Schedule:
+  """``schedule``, made on the solvers' graph of ``graph`` (`as_xla_allocates`), as a
+  schedule of ``graph``: without the events of the nodes that graph adds."""
+  events = tuple(e for e in schedule.events if e[1] < graph.n)
+  if len(events) == len(schedule.events):
+    return schedule
+  duration = sum(graph.cost[v] for kind, v in events if kind == "compute")
+  return schedule.replace(events=events, stats={**schedule.stats, "duration": duration})
 
 
 class _Loop:
@@ -617,14 +661,9 @@ class _Loop:
     # What XLA keeps in device memory throughout (arguments, and outputs held from the
     # start), and what the target keeps on chip: `solver_budget` and `figure_bytes`.
     self.held_bytes = program.graph.resident_bytes + self.reserved_bytes
-    # Zeros and indices that XLA makes from constants (`hlo_model`) are held until their
-    # last reader, which a plan does not move earlier; the solvers' graph leaves them out,
-    # so their bytes are held back from the budget too. On the VGG16 example for H100, the
-    # zeros each ReLU's gradient selects from: 8 MB, the first plan at 0.7 planned that far
-    # over the budget.
-    self.constant_bytes = sum(n.attrs.get("constant_bytes", 0) for n in program.graph.nodes)
     self.on_chip_bytes = program.graph.meta.get("on_chip_bytes", 0)
     self.alias_bytes = baseline.alias_bytes
+    self.held_constants: set[int] = set()  # made from constants, held throughout (`solve`)
     self.baseline_peak_bytes = baseline.peak_bytes
     # What the compiler holds beyond the model on the original step (layout padding,
     # buffers the model does not see), taken to hold for plans of it too: the first plan
@@ -665,20 +704,42 @@ class _Loop:
     return collectives_as_planned(tried.unplanned_sent_bytes, self.baseline_sent_bytes)
 
   def predicted_peak_bytes(self, schedule: Schedule) -> int:
-    """The model's peak of ``schedule`` as XLA counts it."""
-    return xla_accounted_peak_bytes(self.program.graph, schedule, self.alias_bytes)
+    """The model's peak of ``schedule`` (of either graph) as XLA counts it."""
+    graph = self.program.graph
+    return xla_accounted_peak_bytes(graph, in_graph(schedule, graph), self.alias_bytes)
+
+  def solve(self, plan: Callable[[RematGraph], Schedule]) -> Schedule:
+    """``plan``'s schedule on the solvers' graph (`as_xla_allocates`). XLA makes constants
+    once, at the start: where a plan makes them again (to free them between two copies of
+    the value their reader reads), they are held throughout, for this plan and the next
+    ones, and it is planned again. On the U-Net example on XLA:CPU at 0.7, held
+    throughout, its pools' argmax iotas (3 MiB) left no plan within the 8.50 MiB budget
+    (the least feasible, 8.98); read by the pools' inputs, the first plan met it."""
+    while True:
+      schedule = plan(self.solver_graph)
+      computes = collections.Counter(schedule.computes)
+      again = {
+        node.attrs["constants_of"]
+        for node in self.solver_graph.nodes[self.program.graph.n :]
+        if computes[node.id] > 1
+      }
+      if not again:
+        return schedule
+      self.held_constants |= again
+      self.solver_graph, _ = as_xla_allocates(
+        self.program.graph, self.alias_bytes, frozenset(self.held_constants)
+      )
 
   def solver_budget(self, planning_bytes: int) -> int:
     """A planning budget as XLA counts it, as a budget in the solvers' graph: the live
     bytes within it (more than it where the target keeps temporaries on chip,
-    `xla_memory.device_peak_bytes`), less the outputs held from the start and the
-    constants."""
+    `xla_memory.device_peak_bytes`), less the outputs held from the start."""
     live_bytes = live_bytes_within(planning_bytes, self.held_bytes, self.on_chip_bytes)
-    return live_bytes - self.reserved_bytes - self.constant_bytes
+    return live_bytes - self.reserved_bytes
 
   def figure_bytes(self, solver_bytes: int) -> int:
     """A peak in the solvers' graph as XLA counts it (the inverse of `solver_budget`)."""
-    live_bytes = solver_bytes + self.reserved_bytes + self.constant_bytes
+    live_bytes = solver_bytes + self.reserved_bytes
     return device_peak_bytes(live_bytes, self.held_bytes, self.on_chip_bytes)
 
   def solves_left(self) -> int:
@@ -711,7 +772,7 @@ class _Loop:
     recomputes = False  # a solved plan that recomputes: both fences apply
     if origin in ("solve", "policy"):
       self.solves += origin == "solve"
-      schedule = self.resequenced(schedule)
+      schedule = in_graph(self.resequenced(schedule), self.program.graph)
       computes = schedule.computes
       same = [t for t in self.tried if t.schedule.computes == computes]
       if same:
@@ -798,7 +859,8 @@ class _Loop:
     if self.least_peak_tried or self.met or self.solves_left() <= 0:
       return
     self.least_peak_tried = True
-    schedule = minimize_peak(self.solver_graph, "auto", time_limit=max(self.solve_time_s(), 0.5))
+    limit_s = max(self.solve_time_s(), 0.5)
+    schedule = self.solve(functools.partial(minimize_peak, solver="auto", time_limit=limit_s))
     below_bytes = self.predicted_peak_bytes(self.resequenced(schedule)) + int(
       _REPLAN_MARGIN * self.budget_bytes
     )
@@ -815,7 +877,9 @@ class _Loop:
       return
     planning = self.solver_budget(self.budget_bytes - self.baseline_gap_bytes)
     try:
-      schedule = solve(self.solver_graph, planning, "dots-saveable", time_limit=1.0)
+      schedule = self.solve(
+        functools.partial(solve, budget=planning, solver="dots-saveable", time_limit=1.0)
+      )
     except (InfeasibleBudgetError, NoScheduleFoundError):
       return
     self.try_schedule(schedule, "policy")
@@ -854,7 +918,6 @@ class _Loop:
     `chen-search-ap`'s least-peak plan measured x0.58 of the original (the best plan
     before, x1.03).
     """
-    graph = self.solver_graph
     loose_bytes = int(self.budget_bytes * (1 + _SEGMENT_SLACK))
     first = {
       self.solver_budget(self.budget_bytes - self.baseline_gap_bytes),
@@ -870,7 +933,9 @@ class _Loop:
       for name in [name for name in planning if name not in plans]:
         for budget_bytes in planning.pop(name):
           try:
-            plans[name] = solve(graph, budget_bytes, name, time_limit=limit_s)
+            plans[name] = self.solve(
+              functools.partial(solve, budget=budget_bytes, solver=name, time_limit=limit_s)
+            )
             break
           except (InfeasibleBudgetError, NoScheduleFoundError) as e:
             logger.info("jaxremat: %s", e)
@@ -901,7 +966,6 @@ class _Loop:
     beyond the budget (`next_planning_budget`). It stops when the model proves the
     planning budget infeasible, the solver finds nothing, or XLA undid a plan (`undone`).
     """
-    graph = self.solver_graph
     planning = self.budget_bytes - self.baseline_gap_bytes
     while not self.met and self.solves_left() > 0:
       limit_s = self.solve_time_s()
@@ -910,14 +974,16 @@ class _Loop:
       try:
         # Far over the budget in XLA, the next planning budget may fall below anything
         # the model can reach, even below zero.
-        graph.require_feasible(self.solver_budget(planning))
-        schedule = solve(
-          graph,
-          self.solver_budget(planning),
-          solver=solver,
-          time_limit=max(limit_s, 0.1),
-          progress=_progress_printer(self.opts.progress),
-          **self.opts.solver_options,
+        self.solver_graph.require_feasible(self.solver_budget(planning))
+        schedule = self.solve(
+          functools.partial(
+            solve,
+            budget=self.solver_budget(planning),
+            solver=solver,
+            time_limit=max(limit_s, 0.1),
+            progress=_progress_printer(self.opts.progress),
+            **self.opts.solver_options,
+          )
         )
       except (InfeasibleBudgetError, NoScheduleFoundError) as e:
         logger.info("jaxremat: %s", e)

@@ -291,6 +291,10 @@ def build_program(
     scratch = node.attrs.get("workspace_bytes", 0) + indices[g]
     attrs = {**node.attrs, "constant_bytes": extra, "workspace_bytes": scratch}
     nodes[n_in + g] = dataclasses.replace(node, attrs=attrs)
+  for k, (u, readers) in ({} if compiled is None else compiled.constants_for).items():
+    node = nodes[node_of[k]]
+    attrs = {"constants_with": [node_of[u]], "constants_for": sorted({node_of[w] for w in readers})}
+    nodes[node_of[k]] = dataclasses.replace(node, attrs={**node.attrs, **attrs})
   for g in hoisted:
     node = nodes[n_in + g]
     nodes[n_in + g] = dataclasses.replace(node, attrs={**node.attrs, "allocated_at_start": True})
@@ -446,6 +450,10 @@ def _compiled_order(
   return tuple(topological_order(n, sorted(edges), set(range(n_in)), priority=key))
 
 
+# Node attributes that name other nodes.
+_NODE_LISTS = ("remakes", "constants_with", "constants_for")
+
+
 def _add_workspace_nodes(n_in, nodes, edges, outputs, node_eqns, node_outvars):
   """Puts a scratch node right before each node with ``workspace_bytes``.
 
@@ -484,6 +492,10 @@ def _add_workspace_nodes(n_in, nodes, edges, outputs, node_eqns, node_outvars):
     out_eqns.append(node_eqns[node.id])
     out_vars.append(node_outvars[node.id])
   new_edges = {(new_id[u], new_id[v]) for u, v in edges} | set(scratch_edges)
+  for i, node in enumerate(out_nodes):
+    named = {a: [new_id[u] for u in node.attrs[a]] for a in _NODE_LISTS if a in node.attrs}
+    if named:
+      out_nodes[i] = dataclasses.replace(node, attrs={**node.attrs, **named})
   return out_nodes, new_edges, [new_id[v] for v in outputs], out_eqns, out_vars
 
 
