@@ -414,7 +414,8 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   for size, end, reader in early:
     k = next((k for at, k in by_position if at >= end), by_position[-1][1])
     constants[k] = constants.get(k, 0) + size
-    read = [] if reader is None else _values_read(reader, elements, roots_of, output_roots)
+    operands = [] if reader is None else reader.operands
+    read = {output_roots(m)[j] for o in operands for m, j in elements.get(o, []) if m in roots_of}
     if made := [u for u in read if u in position]:
       u = max(made, key=position.get)
       if k not in constants_for or position[u] > position[constants_for[k][0]]:
@@ -431,21 +432,6 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
     remade_for,
     constants_for,
   )
-
-
-def _values_read(
-  instruction: Instruction,
-  elements: dict[str, list[tuple[str, int]]],
-  roots_of: dict[str, list[int | None]],
-  output_roots: Any,
-) -> set[int]:
-  """The equations whose buffers ``instruction`` reads."""
-  return {
-    k
-    for o in instruction.operands
-    for maker, j in elements.get(o, [])
-    if maker in roots_of and (k := output_roots(maker)[j]) is not None
-  }
 
 
 def _remade_for(

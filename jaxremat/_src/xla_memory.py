@@ -96,9 +96,9 @@ def _constants_released(graph: RematGraph, schedule: Any) -> dict[int, int]:
     if not size or v not in computes:
       continue
     at = computes[v][0]
+    readers = [computes[w][0] for w in node.attrs.get("constants_for", ()) if w in computes]
+    until = min(readers, default=len(schedule.events))
     for u in node.attrs.get("constants_with", ()):
-      readers = [computes[w][0] for w in node.attrs.get("constants_for", ()) if w in computes]
-      until = min(readers, default=len(schedule.events))
       at = max(at, max((t for t in computes.get(u, ()) if t < until), default=at))
     released[at] = released.get(at, 0) + size
   return released
