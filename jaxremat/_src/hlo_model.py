@@ -291,9 +291,8 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   read_for: dict[int, set[int]] = {}
   constants: dict[int, int] = {}
   hoisted: set[int] = set()
-  # bytes made from constants (or indices) and where their last reader runs; for those made
-  # from constants, that reader
-  early: list[tuple[int, int, Instruction | None]] = []
+  # bytes made from constants (or indices no equation makes), where their last reader runs
+  early: list[tuple[int, int, bool]] = []
   arguments = [0] * n_arguments
 
   def between(k: int | None, start: int, end: int, *also: int) -> bool:
@@ -362,7 +361,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
         if reader is not None and updated(b, size):
           hoisted.add(reader)
         else:
-          early.append((size, end, entry.instructions[end]))
+          early.append((size, end, True))
         continue
       collective = instruction.opcode.removesuffix("-start") in COLLECTIVES
       if k is not None and readers == {k} and (collective or between(k, at, end)):
@@ -394,7 +393,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
         # New values that no equation makes, held for one reader: a plan that moves the
         # reader does not move them (the U-Net example on H100: 0.74 MB of argmax
         # indices; a plan at 0.5 read 19% under XLA with them as scratch).
-        early.append((size, end, None))
+        early.append((size, end, False))
       elif reader is not None and (holder not in sizes or between(reader, at, end)):
         if not updated(b, size):  # else it is its reader's output
           scratch[reader] = scratch.get(reader, 0) + size
@@ -411,10 +410,11 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   # iotas it reads are held until then (the U-Net example: 3.5 MiB).
   by_position = sorted((at, k) for k, at in position.items())
   constants_for: dict[int, tuple[int, frozenset[int]]] = {}
-  for size, end, reader in early:
+  for size, end, made_from_constants in early:
     k = next((k for at, k in by_position if at >= end), by_position[-1][1])
     constants[k] = constants.get(k, 0) + size
-    operands = [] if reader is None else reader.operands
+    reader = entry.instructions[end]
+    operands = reader.operands if made_from_constants else []
     read = {output_roots(m)[j] for o in operands for m, j in elements.get(o, []) if m in roots_of}
     if made := [u for u in read if u in position]:
       u = max(made, key=position.get)

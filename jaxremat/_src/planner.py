@@ -61,9 +61,9 @@ from jaxremat._src.verify import (
   verify,
 )
 from jaxremat._src.xla_memory import (
+  allocated_at_start,
   device_peak_bytes,
   held_apart,
-  held_from_start,
   live_bytes_within,
   xla_accounted_peak_bytes,
 )
@@ -612,7 +612,7 @@ def as_xla_allocates(
   counts it, but for scratch.
   """
   apart, reserved = held_apart(graph, alias_bytes)
-  hoisted = held_from_start(graph) - set(graph.outputs)
+  hoisted = allocated_at_start(graph)
   reserved += sum(graph.mem[v] for v in hoisted)
   nodes = [dataclasses.replace(n, mem=0) if n.id in hoisted else n for n in apart.nodes]
   edges, inputs, first = list(graph.edges), list(graph.inputs), []

@@ -14,12 +14,12 @@ from jaxremat._src.graph import RematGraph
 from jaxremat._src.simulate import baseline_schedule, simulate
 
 
-def held_from_start(graph: RematGraph) -> set[int]:
-  """The nodes whose buffers XLA allocates before the program runs: the step's outputs
-  and the buffers `trace` marks ``allocated_at_start``."""
-  return _outputs(graph) | {
-    v for v in graph.order if graph.nodes[v].attrs.get("allocated_at_start")
-  }
+def allocated_at_start(graph: RematGraph) -> set[int]:
+  """The nodes other than the step's outputs whose buffers XLA allocates before the
+  program runs (`trace` marks them ``allocated_at_start``): held from the start until
+  their node computes them."""
+  outputs = _outputs(graph)
+  return {v for v in graph.order if graph.nodes[v].attrs.get("allocated_at_start")} - outputs
 
 
 def _outputs(graph: RematGraph) -> set[int]:
@@ -45,8 +45,7 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
   result = simulate(apart, schedule)
   if not result.valid:
     raise ValueError(f"The schedule is invalid for graph {graph.name!r}: {result.error}")
-  # Buffers allocated at the start count from the start until their node computes them.
-  pending = held_from_start(graph) - _outputs(graph)
+  pending = allocated_at_start(graph)
   pending_bytes = sum(graph.mem[v] for v in pending)
   with_nodes = graph.meta.get("workspace", False)
   early_bytes = sum(n.attrs.get("constant_bytes", 0) for n in graph.nodes)
