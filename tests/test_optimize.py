@@ -330,12 +330,12 @@ def test_the_least_peak_plan_is_compiled_only_below_every_plan_compiled():
 
   def least_in_another_order(loop):
     """The least-peak plan with two events swapped, at the same peak in the model."""
-    least = loop.resequenced(jaxremat.minimize_peak(loop.solver_graph, "auto", time_limit=2))
+    least = loop.solve(lambda graph: jaxremat.minimize_peak(graph, "auto", time_limit=2))
     computes = least.computes
     for i in range(len(computes) - 1):
       order = [*computes[:i], computes[i + 1], computes[i], *computes[i + 2 :]]
-      other = jaxremat.schedule_from_computes(loop.solver_graph, order)
-      if not jaxremat.simulate(loop.solver_graph, other).valid:  # read before it is made
+      other = jaxremat.schedule_from_computes(loop.program.graph, order)
+      if not jaxremat.simulate(loop.program.graph, other).valid:  # read before it is made
         continue
       other = loop.resequenced(other)
       same_peak = loop.predicted_peak_bytes(other) == loop.predicted_peak_bytes(least)
@@ -344,7 +344,7 @@ def test_the_least_peak_plan_is_compiled_only_below_every_plan_compiled():
     raise AssertionError("every swap changes the plan's peak or order back")
 
   assert plans_compiled_after(least_in_another_order) == 0
-  assert plans_compiled_after(lambda loop: jaxremat.baseline_schedule(loop.solver_graph)) == 1
+  assert plans_compiled_after(lambda loop: jaxremat.baseline_schedule(loop.program.graph)) == 1
 
 
 def test_time_limit_bounds_the_whole_first_call(tmp_path):
@@ -441,19 +441,21 @@ def test_the_solvers_see_output_buffers_held_from_the_start_as_xla_allocates_the
   assert as_xla_allocates(graph, alias_bytes=outputs)[1] == 0
 
 
-def test_the_solvers_hold_constants_until_the_copy_their_reader_reads():
+def test_the_solvers_hold_constants_from_the_start_until_the_copy_their_reader_reads():
   """XLA makes a pool gradient's argmax iotas once, at the start, and holds them until the
   argmax reads the pool's input for the gradient. In the solvers' graph they are a node
   read by the node they are for and by that input, so a plan that keeps the input's
-  first copy frees them early, as XLA does; one that makes them again to free them
-  between two copies of the input sees less than XLA holds, and is planned again with
-  them held throughout (`_Loop.solve`)."""
+  first copy frees them early, as XLA does, and all are made before the first equation
+  (read by a node of no bytes that the first equations read); a plan that makes them
+  again to free them between two copies of the input sees less than XLA holds, and is
+  planned again with them held throughout (`_Loop.solve`)."""
   from jaxremat._src.graph import Node
   from jaxremat._src.planner import as_xla_allocates, in_graph
   from jaxremat._src.xla_memory import xla_accounted_peak_bytes
 
   # x -> pool input u (1) -> exponential k (2) -> sine (3) -> sum (4); the gradient (5)
-  # reads u and the sum; the iotas (8 bytes) are made for k, read with u for the gradient.
+  # reads u and the sum; the iotas (8 bytes) are made for k, read with u for the gradient,
+  # and 2 bytes more for the sum, read with the sine for the gradient.
   base = jaxremat.RematGraph.build(
     mem=[1, 4, 1, 8, 1, 1],
     cost=[0, 1, 1, 1, 1, 1],
@@ -461,36 +463,43 @@ def test_the_solvers_hold_constants_until_the_copy_their_reader_reads():
     inputs=[0],
   )
   nodes = list(base.nodes)
-  attrs = {"constant_bytes": 8, "constants_with": [1], "constants_for": [5]}
-  nodes[2] = Node(2, "k", 1, 1.0, attrs)
+  nodes[2] = Node(
+    2, "k", 1, 1.0, {"constant_bytes": 8, "constants_with": [1], "constants_for": [5]}
+  )
+  nodes[4] = Node(
+    4, "sum", 1, 1.0, {"constant_bytes": 2, "constants_with": [3], "constants_for": [5]}
+  )
   graph = dataclasses.replace(base, nodes=tuple(nodes))
   solver_graph, reserved = as_xla_allocates(graph, alias_bytes=0)
-  (c,) = range(graph.n, solver_graph.n)
-  assert set(solver_graph.succs[c]) == {1, 2} and solver_graph.order[0] == c
+  c, d, start = range(graph.n, solver_graph.n)
+  assert set(solver_graph.succs[c]) == {1, 2, start} and set(solver_graph.succs[d]) == {3, 4, start}
+  assert solver_graph.succs[start] == (1,) and solver_graph.order[:3] == (c, d, start)
 
   def planned(g, computes):
     schedule = jaxremat.schedule_from_computes(g, computes)
     accounted = xla_accounted_peak_bytes(graph, in_graph(schedule, graph))
     return jaxremat.simulate(g, schedule).peak_bytes + reserved, accounted
 
-  # The input's first copy kept: the iotas freed after the exponential, as XLA counts.
-  assert planned(solver_graph, [c, 1, 2, 3, 4, 5]) == (15, 15)
+  # The inputs' first copies kept: the iotas made first and freed in the forward pass,
+  # as XLA counts them.
+  assert planned(solver_graph, [c, d, start, 1, 2, 3, 4, 5]) == (17, 17)
   # The iotas and the input made again for the gradient: XLA holds the iotas throughout.
-  cheat, accounted = planned(solver_graph, [c, 1, 2, 3, 4, c, 1, 5])
-  assert cheat < accounted == 19
+  cheat, accounted = planned(solver_graph, [c, d, start, 1, 2, 3, 4, c, 1, 5])
+  assert cheat < accounted == 21
   held, _ = as_xla_allocates(graph, alias_bytes=0, held_constants=frozenset({2}))
   assert c in held.inputs and c not in held.order
-  assert planned(held, [1, 2, 3, 4, 1, 5]) == (accounted, accounted)
+  assert planned(held, [d, start, 1, 2, 3, 4, 1, 5]) == (accounted, accounted)
 
   # The planner plans again with them held, for that plan and the next.
   def plan(g):
-    computes = [1, 2, 3, 4, 1, 5] if c in g.inputs else [c, 1, 2, 3, 4, c, 1, 5]
-    return jaxremat.schedule_from_computes(g, computes)
+    again = [d, start, 1, 2, 3, 4, 1, 5]
+    return jaxremat.schedule_from_computes(g, again if c in g.inputs else [c, *again[:-2], c, 1, 5])
 
   loop = types.SimpleNamespace(
     solver_graph=solver_graph, program=types.SimpleNamespace(graph=graph), alias_bytes=0
   )
   loop.held_constants = set()
+  loop.resequenced = lambda schedule: _Loop.resequenced(loop, schedule)
   assert _Loop.solve(loop, plan).computes == [1, 2, 3, 4, 1, 5]
   assert loop.held_constants == {2} and c in loop.solver_graph.inputs
 
