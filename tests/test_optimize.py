@@ -216,6 +216,30 @@ def test_a_loop_whose_stored_values_the_step_returns_is_named_when_a_budget_is_m
   assert "jax.checkpoint" in message
 
 
+def test_bytes_xla_makes_from_constants_are_named_when_a_budget_is_missed():
+  """XLA:CPU makes the index arrays of a max pool's gradient (4 int32 arrays of the
+  pool's input) before the first equation; where they are what keeps a plan over the
+  budget, the error says so."""
+  if not FACTS.pool_gradient_buffers_at_start:
+    pytest.skip("this backend makes no index arrays for a max pool's gradient")
+
+  def loss(x):
+    pooled = jax.lax.reduce_window(
+      jnp.sin(x), -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"
+    )
+    return jnp.sum(jnp.cos(pooled))
+
+  x = jnp.ones((8, 64, 64, 32))
+  step = jax.grad(loss)
+  fast = jaxremat.optimize(step, budget=0.7, time_limit=10, use_cache=False, progress=False)
+  with pytest.raises(jaxremat.BudgetNotMetError) as info:
+    fast(x)
+  made = 4 * x.size * 4  # int32 bytes
+  err = info.value
+  assert err.measured_peak_bytes - err.budget_bytes < made
+  assert f"XLA makes {made} bytes from constants" in str(err) and "max pool" in str(err)
+
+
 def test_max_replans_bounds_the_plans_compiled(tmp_path):
   step, args = _small_step()
   fast = jaxremat.optimize(
