@@ -549,8 +549,8 @@ def constants_hint(graph: RematGraph, shortfall_bytes: int) -> str:
 
   No plan of the step's equations makes them later: on XLA:CPU a max pool's gradient
   selects by index arrays of the pool's input (4 int32 arrays for an NHWC input), all made
-  before the first equation, and the VGG16 example's 30.5 MiB of them put 0.7 of its peak
-  out of every plan's reach.
+  before the first equation; with its arguments and first activations, the VGG16
+  example's 30.5 MiB of them are above 0.7 of its peak in the compiler's model.
   """
   made_bytes = sum(node.attrs.get("constant_bytes", 0) for node in graph.nodes)
   if made_bytes <= shortfall_bytes:
@@ -630,10 +630,10 @@ def as_xla_allocates(
   their reader reads a forward value (``constants_with``), read by that value and by the
   node they are for, so that a plan that keeps that value's first copy frees them in the
   forward pass, as XLA does (making them again costs more than the step twice), and by a
-  node of no bytes that every other first node reads, so that all are made before the
-  step's first equation, as XLA makes them (on the VGG16 example on XLA:CPU at 0.7, made
-  each just before its reader, the 30.5 MiB of its pools' iotas put a plan at 41.35 MiB
-  that XLA counts at 53.85); else, and for the nodes in ``held_constants``
+  node of no bytes that the step's first equations read, so that all are made before
+  them, as XLA makes them (on the VGG16 example on XLA:CPU at 0.7, made each just before
+  its reader, its pools' 30.5 MiB of iotas left a plan at 41.35 MiB here that the model
+  counts at 53.85 and XLA at 56.85); else, and for the nodes in ``held_constants``
   (`_Loop.solve`), an input, held throughout. A plan within ``budget - held`` there is
   within ``budget`` as XLA counts it, but for scratch.
   """
@@ -781,11 +781,11 @@ class _Loop:
   def try_schedule(self, schedule: Schedule, origin: str) -> _Tried:
     """Compiles a schedule and records it; the compile of it that XLA measured lowest.
 
-    A plan that recomputes is compiled with one of two fences (`emit`'s
-    ``pin``): its whole order, or its recomputations alone. Which one holds less differs
-    from step to step, so it is measured: the first such plan XLA measures over the budget
-    is compiled with both (the target's `BackendFacts.pin_first` first), and the one XLA
-    measured lower comes first for the step's next plans. A later plan gets the other
+    A plan that recomputes is compiled with one of two fences (`emit`'s ``pin``): its
+    whole order, or its recomputations alone. Which one holds less differs from step to
+    step, so it is measured: the first such plan XLA measures over the budget is compiled
+    with both (the target's `BackendFacts.pin_first` first), and the one XLA measured
+    lower comes first for the step's next plans. A later plan gets the other
     fence too where XLA held more beyond the model than on the original step, or undid
     it; so does a plan that met the budget where its collectives send more than the step's
     and its recomputations' (`collectives_as_planned`: the FSDP GPT example's plans, every
