@@ -413,9 +413,12 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   for size, end, made_from_constants in early:
     k = next((k for at, k in by_position if at >= end), by_position[-1][1])
     constants[k] = constants.get(k, 0) + size
+    if not made_from_constants:
+      continue
     reader = entry.instructions[end]
-    operands = reader.operands if made_from_constants else []
-    read = {output_roots(m)[j] for o in operands for m, j in elements.get(o, []) if m in roots_of}
+    read = {
+      output_roots(m)[j] for o in reader.operands for m, j in elements.get(o, []) if m in roots_of
+    }
     if made := [u for u in read if u in position]:
       u = max(made, key=position.get)
       if k not in constants_for or position[u] > position[constants_for[k][0]]:

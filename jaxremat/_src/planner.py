@@ -62,6 +62,7 @@ from jaxremat._src.verify import (
 )
 from jaxremat._src.xla_memory import (
   allocated_at_start,
+  constant_bytes,
   device_peak_bytes,
   held_apart,
   live_bytes_within,
@@ -552,7 +553,7 @@ def constants_hint(graph: RematGraph, shortfall_bytes: int) -> str:
   before the first equation; with its arguments and first activations, the VGG16
   example's 30.5 MiB of them are above 0.7 of its peak in the compiler's model.
   """
-  made_bytes = sum(node.attrs.get("constant_bytes", 0) for node in graph.nodes)
+  made_bytes = constant_bytes(graph)
   if made_bytes <= shortfall_bytes:
     return ""
   return (

@@ -22,6 +22,12 @@ def allocated_at_start(graph: RematGraph) -> set[int]:
   return {v for v in graph.order if graph.nodes[v].attrs.get("allocated_at_start")} - outputs
 
 
+def constant_bytes(graph: RematGraph) -> int:
+  """The bytes XLA makes from constants before the program runs (nodes'
+  ``constant_bytes``, `_constants_released` says until when)."""
+  return sum(node.attrs.get("constant_bytes", 0) for node in graph.nodes)
+
+
 def _outputs(graph: RematGraph) -> set[int]:
   return {v for v in graph.outputs if not graph.is_input[v]}
 
@@ -48,7 +54,7 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
   pending = allocated_at_start(graph)
   pending_bytes = sum(graph.mem[v] for v in pending)
   with_nodes = graph.meta.get("workspace", False)
-  early_bytes = sum(n.attrs.get("constant_bytes", 0) for n in graph.nodes)
+  early_bytes = constant_bytes(graph)
   released = _constants_released(graph, schedule)
 
   def scratch(v: int) -> int:
