@@ -46,9 +46,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -310,16 +311,6 @@ def plan_runs(
   return tuple(runs)
 
 
-# Equations whose recomputation costs real time, and the HLO instruction each becomes.
-# Elementwise work is left out: XLA fuses and duplicates it on its own (fact 2).
-EXPENSIVE_PRIMITIVES: Mapping[str, str] = {
-  "dot_general": "dot",
-  "conv_general_dilated": "convolution",
-  "fft": "fft",
-  "sort": "sort",
-}
-
-
 def inlined_reads(program: Any) -> tuple[tuple[int, ...] | None, ...]:
   """Per node, the nodes without a buffer that it reads, directly or through each other,
   in graph order; None for those nodes themselves.
@@ -331,9 +322,8 @@ def inlined_reads(program: Any) -> tuple[tuple[int, ...] | None, ...]:
   first computation, it kept that first copy of a recomputed operand live as well: on the
   ResNet step for TPU v5e, three 8 MiB convolution outputs that a plan recomputed stayed
   live through the backward pass. A kept value that XLA computes again inside a reader
-  (node attribute ``remakes`` of the reader) is evaluated inside it too. A value with
-  expensive work in it (a product, say) stays a computation of its own, as does a dot
-  XLA:CPU fuses with all its readers (``epilogue``): evaluated in each reader's fenced
+  (node attribute ``remakes`` of the reader) is evaluated inside it too. No product is
+  duplicated in the graph (`fusion.group_equations`): evaluated in each reader's fenced
   run, it would be computed once per reader. (On TPU v5e, the GPT step's plan at 0.7
   pinned in its order ran 16 products more than planned: x1.44 of the step's FLOPs where
   the model counted x1.18.)
@@ -343,9 +333,7 @@ def inlined_reads(program: Any) -> tuple[tuple[int, ...] | None, ...]:
   inline = {
     v
     for v, node in enumerate(graph.nodes)
-    if node.attrs.get("duplicated")
-    and not outputs & set(program.node_outvars[v])
-    and not EXPENSIVE_PRIMITIVES.keys() & {eqns[i].primitive.name for i in program.node_eqns[v]}
+    if node.attrs.get("duplicated") and not outputs & set(program.node_outvars[v])
   }
   made_by = {x: v for v in inline for x in program.node_outvars[v]}
   out: list[tuple[int, ...] | None] = []
@@ -487,17 +475,25 @@ def _routed_vars(program: Any, eqn_ids: Sequence[int]) -> tuple[Any, ...]:
     eqn = eqns[i]
     reads = _vars(eqn.invars)
     if not any(x in fenced or x in behind for x in reads):
-      outside = [x for x in reads if x not in made and _fenceable(x)]
+      outside = [x for x in reads if x not in made and (_fenceable(x) or _is_key(x))]
       if outside:
-        fenced[min(outside, key=_var_bytes)] = None
+        fenced[min(outside, key=lambda x: compat.aval_bytes(x.aval))] = None
     if any(x in fenced or x in behind for x in reads):
       behind.update(eqn.outvars)
     made.update(eqn.outvars)
   return tuple(fenced)
 
 
-def _var_bytes(x: Any) -> int:
-  return int(np.prod(x.aval.shape, dtype=int)) * np.dtype(x.aval.dtype).itemsize
+def _is_key(x: Any) -> bool:
+  """Whether ``x`` is an array of PRNG keys: routed as its key data (`apply_fence`), so
+  that a recomputed `random_bits` waits for the fence. Not routed, XLA merged it with the
+  first computation and held the random bits from the forward pass to the backward one (a
+  dropout autoencoder on XLA:CPU, 4.3 MiB over the plan)."""
+  return not isinstance(x, compat.Literal) and _key_dtype(getattr(x.aval, "dtype", None))
+
+
+def _key_dtype(dtype: Any) -> bool:
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 # -- running ---------------------------------------------------------------------------
@@ -614,6 +610,13 @@ def apply_fence(fence: str, trigger: Any, values: Sequence[Any]) -> tuple[Any, l
   values = list(values)
   if fence == "none" or not values:
     return trigger, values
+  if any(_key_dtype(v.dtype) for v in values):  # fences take the keys' data
+    data = [jax.random.key_data(v) if _key_dtype(v.dtype) else v for v in values]
+    trigger, out = apply_fence(fence, trigger, data)
+    return trigger, [
+      jax.random.wrap_key_data(x, impl=jax.random.key_impl(v)) if _key_dtype(v.dtype) else x
+      for x, v in zip(out, values, strict=True)
+    ]
   if fence == "barrier":
     trigger, out = lax.optimization_barrier((trigger, values))
     return trigger, list(out)

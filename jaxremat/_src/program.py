@@ -143,7 +143,7 @@ def build_program(
   jaxpr = closed.jaxpr
   n_in = len(jaxpr.invars) + len(jaxpr.constvars)
   facts = backend_facts(platform)
-  groups, duplicated, epilogues, materialized = group_equations(
+  groups, duplicated, materialized = group_equations(
     jaxpr, fold, facts.reductions_duplicate_producers, compiled
   )
   producer: dict[Any, int] = {}
@@ -175,7 +175,7 @@ def build_program(
   # XLA recomputes a duplicated value inside each reader's fusion: its operands, not
   # the value, stay live until the last reader. In root order, so that the sources of a
   # chain of duplicated values reach the readers at its end.
-  for d in sorted(duplicated | epilogues):
+  for d in sorted(duplicated):
     d_node = n_in + d
     sources = [u for u, w in edges if w == d_node]
     sinks = [w for u, w in edges if u == d_node]
@@ -204,7 +204,7 @@ def build_program(
   # A value XLA computes inside its readers' fusions is not read from memory: its readers
   # read what it reads, the values XLA keeps. In root order, for chains of such values.
   kept_reads: dict[Any, frozenset[Any]] = {}
-  for g in sorted(duplicated | epilogues):
+  for g in sorted(duplicated):
     made = {v for k in groups[g] for v in jaxpr.eqns[k].outvars}
     reads = frozenset().union(
       *(
@@ -217,9 +217,8 @@ def build_program(
     kept_reads.update(dict.fromkeys(made, reads))
   # XLA computes a duplicated elementwise value inside each reader's fusion, so each
   # reader pays for it (XLA's cost analysis counts it once per reader) and the value costs
-  # nothing itself. A duplicated product runs once, in a fusion with several outputs: its
-  # own node pays (XLA:TPU's baseline FLOPs read x1.34 of XLA's count on the MLP example
-  # with products paid per reader, x1.000 without).
+  # nothing itself. Other duplicated work (a reduction) runs once, in a fusion with several
+  # outputs: its own node pays.
   per_reader = {
     d
     for d in duplicated
@@ -255,7 +254,6 @@ def build_program(
         [eqn_costs[k] for k in eqn_ids],
         None if g in per_reader else [eqn_costs[k] for k in sorted(inlined[g])],
         g in duplicated,
-        g in epilogues,
         materialized,
         kept_reads,
         None if compiled is None else compiled.scratch,
@@ -523,7 +521,6 @@ def _eqn_node(
   eqn_costs: list[Any],
   inlined_costs: list[Any] | None,
   duplicated: bool,
-  epilogue: bool,
   materialized: dict[Any, int],
   kept_reads: dict[Any, frozenset[Any]],
   scratch: dict[int, int] | None = None,
@@ -558,9 +555,8 @@ def _eqn_node(
     return round(compat.aval_bytes(v.aval) * fractions.get(v, share))
 
   kept = sum(held(v) for v in outvars)
-  # A duplicated value (or a dot fused into its readers) lives only inside its readers'
-  # fusions: XLA keeps nothing.
-  out_bytes = 0 if duplicated or epilogue else kept
+  # A duplicated value lives only inside its readers' fusions: XLA keeps nothing.
+  out_bytes = 0 if duplicated else kept
   kernel = (
     [] if inlined_costs is None else [costs.scaled(c, share) for c in (*eqn_costs, *inlined_costs)]
   )
@@ -585,8 +581,6 @@ def _eqn_node(
     attrs["workspace_bytes"] = workspace
   if duplicated:
     attrs["duplicated"] = True
-  if epilogue:
-    attrs["epilogue"] = True
   if kept != sum(compat.aval_bytes(v.aval) for v in outvars):
     attrs["materialized_bytes"] = kept
   if any(e.effects for e in eqns):

@@ -24,7 +24,8 @@ from jax import lax
 
 from jaxremat._src import compat
 from jaxremat._src.backends import backend_facts
-from jaxremat._src.emit import EXPENSIVE_PRIMITIVES, live_computes
+from jaxremat._src.emit import live_computes
+from jaxremat._src.fusion import KERNEL_PRIMITIVES
 from jaxremat._src.hlo_text import count_hlo_ops
 from jaxremat._src.measure import Measurement, fresh_donated, measure
 from jaxremat._src.schedule import Schedule
@@ -1009,7 +1010,7 @@ def recomputes_survive(planned: Mapping[str, int], surviving: Mapping[str, int])
 def surviving_recomputes(original_hlo: str, emitted_hlo: str) -> dict[str, int]:
   """Extra instructions of each expensive opcode in the emitted HLO over the original's."""
   before, after = count_hlo_ops(original_hlo), count_hlo_ops(emitted_hlo)
-  return {op: after.get(op, 0) - before.get(op, 0) for op in EXPENSIVE_PRIMITIVES.values()}
+  return {op: after.get(op, 0) - before.get(op, 0) for op in KERNEL_PRIMITIVES.values()}
 
 
 def planned_recomputes(program: Any, schedule: Schedule) -> dict[str, int]:
@@ -1051,7 +1052,7 @@ def collectives_as_planned(unplanned_bytes: int, original_bytes: int) -> bool:
 
 
 def _count_expensive(eqn: Any, counts: collections.Counter) -> None:
-  op = EXPENSIVE_PRIMITIVES.get(eqn.primitive.name)
+  op = KERNEL_PRIMITIVES.get(eqn.primitive.name)
   if op:
     counts[op] += 1
   for inner in compat.inner_jaxprs(eqn):
