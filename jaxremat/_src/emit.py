@@ -475,7 +475,11 @@ def _routed_vars(program: Any, eqn_ids: Sequence[int]) -> tuple[Any, ...]:
     eqn = eqns[i]
     reads = _vars(eqn.invars)
     if not any(x in fenced or x in behind for x in reads):
-      outside = [x for x in reads if x not in made and (_fenceable(x) or _is_key(x))]
+      outside = [
+        x
+        for x in reads
+        if x not in made and (_fenceable(x) or _is_key(getattr(x.aval, "dtype", None)))
+      ]
       if outside:
         fenced[min(outside, key=lambda x: compat.aval_bytes(x.aval))] = None
     if any(x in fenced or x in behind for x in reads):
@@ -484,15 +488,12 @@ def _routed_vars(program: Any, eqn_ids: Sequence[int]) -> tuple[Any, ...]:
   return tuple(fenced)
 
 
-def _is_key(x: Any) -> bool:
-  """Whether ``x`` is an array of PRNG keys: routed as its key data (`apply_fence`), so
-  that a recomputed `random_bits` waits for the fence. Not routed, XLA merged it with the
-  first computation and held the random bits from the forward pass to the backward one (a
-  dropout autoencoder on XLA:CPU, 4.3 MiB over the plan)."""
-  return not isinstance(x, compat.Literal) and _key_dtype(getattr(x.aval, "dtype", None))
-
-
-def _key_dtype(dtype: Any) -> bool:
+def _is_key(dtype: Any) -> bool:
+  """Whether ``dtype`` is that of PRNG keys: a recomputation reading them gets them routed
+  as their key data (`apply_fence`), so that a recomputed `random_bits` waits for the
+  fence. Not routed, XLA merged it with the first draw and held the random bits from the
+  forward pass to the backward one (a dropout autoencoder on XLA:CPU, 4.3 MiB over the
+  plan)."""
   return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
@@ -610,11 +611,11 @@ def apply_fence(fence: str, trigger: Any, values: Sequence[Any]) -> tuple[Any, l
   values = list(values)
   if fence == "none" or not values:
     return trigger, values
-  if any(_key_dtype(v.dtype) for v in values):  # fences take the keys' data
-    data = [jax.random.key_data(v) if _key_dtype(v.dtype) else v for v in values]
+  if any(_is_key(v.dtype) for v in values):  # fences take the keys' data
+    data = [jax.random.key_data(v) if _is_key(v.dtype) else v for v in values]
     trigger, out = apply_fence(fence, trigger, data)
     return trigger, [
-      jax.random.wrap_key_data(x, impl=jax.random.key_impl(v)) if _key_dtype(v.dtype) else x
+      jax.random.wrap_key_data(x, impl=jax.random.key_impl(v)) if _is_key(v.dtype) else x
       for x, v in zip(out, values, strict=True)
     ]
   if fence == "barrier":
