@@ -217,8 +217,8 @@ def build_program(
     kept_reads.update(dict.fromkeys(made, reads))
   # XLA computes a duplicated elementwise value inside each reader's fusion, so each
   # reader pays for it (XLA's cost analysis counts it once per reader) and the value costs
-  # nothing itself. Other duplicated work (a reduction) runs once, in a fusion with several
-  # outputs: its own node pays.
+  # nothing itself. Duplicated work that is not all elementwise is paid once, by its own
+  # node (no product is duplicated: `fusion.group_equations`).
   per_reader = {
     d
     for d in duplicated
