@@ -322,7 +322,10 @@ def inlined_reads(program: Any) -> tuple[tuple[int, ...] | None, ...]:
   first computation, it kept that first copy of a recomputed operand live as well: on the
   ResNet step for TPU v5e, three 8 MiB convolution outputs that a plan recomputed stayed
   live through the backward pass. A kept value that XLA computes again inside a reader
-  (node attribute ``remakes`` of the reader) is evaluated inside it too. No product is
+  (node attribute ``remakes`` of the reader) is evaluated inside it too, from the
+  buffers of its own operands (one it remakes in turn is read, not made again: XLA:TPU
+  computes each of a Mixer's layer norm gradients again inside the next one's fusion,
+  reading the one before from its buffer). No product is
   duplicated in the graph (`fusion.group_equations`): evaluated in each reader's fenced
   run, it would be computed once per reader. (On TPU v5e, the GPT step's plan at 0.7
   pinned in its order ran 16 products more than planned: x1.44 of the step's FLOPs where
@@ -346,7 +349,9 @@ def inlined_reads(program: Any) -> tuple[tuple[int, ...] | None, ...]:
     while todo:
       u = todo.pop()
       reads = _vars(x for i in program.node_eqns[u] for x in eqns[i].invars)
-      for d in [*graph.nodes[u].attrs.get("remakes", ()), *map(made_by.get, reads)]:
+      # A kept value computed again here reads its own operands' buffers, as XLA does.
+      remade = graph.nodes[u].attrs.get("remakes", ()) if u == v or u in inline else ()
+      for d in [*remade, *map(made_by.get, reads)]:
         if d is not None and d not in found:
           found.add(d)
           todo.append(d)

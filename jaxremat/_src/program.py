@@ -389,11 +389,20 @@ def _remade_reads(
   """A node whose compiled instructions compute a kept value again from its operands,
   reading none of its buffers (`CompiledValues.remade_for`), reads those operands instead
   of the value, which need not live until that node runs. Returns, per such node, the
-  nodes it computes again (the emitted program evaluates them inside it, as XLA does)."""
+  nodes it computes again (the emitted program evaluates them inside it, as XLA does).
+
+  The operands are the node's own, as the edges read before any of this rewiring: read
+  after it, a chain of remakes handed each node the operands of every node before it (a
+  bfloat16 MLP-Mixer's layer norm gradients on TPU v5e: the last one read 131 nodes, and
+  no schedule of the model went below 69.76 MiB, where per-block `jax.checkpoint`
+  measured 61.01)."""
   remakes: dict[int, list[int]] = {}
+  sources_of: dict[int, list[int]] = {}
+  for p, w in sorted(edges):
+    sources_of.setdefault(w, []).append(p)
   for k, remakers in sorted(compiled.remade_for.items()):
     u = node_of[k]
-    sources = [p for p, w in edges if w == u]
+    sources = sources_of.get(u, [])
     reading = {node_of[r] for r in compiled.read_for.get(k, ()) if r in node_of}
     for w in sorted({node_of[r] for r in remakers if r in node_of} - reading - {u}):
       if (u, w) in edges:
