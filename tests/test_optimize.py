@@ -269,6 +269,20 @@ def test_the_fence_that_measured_lower_is_compiled_first_thereafter(tmp_path):
   assert solved and all(a.pin == lower for a in solved)
 
 
+def test_no_least_peak_plan_is_compiled_past_the_deadline_once_a_plan_was():
+  """``time_limit`` covers the whole first call, a compile in flight not cut short: past
+  the deadline, the least-peak plan is compiled only where no plan was."""
+  new_loop = _small_loops(0.1, 0.0)
+  loop = new_loop()
+  loop.try_schedule(jaxremat.baseline_schedule(loop.program.graph), "solve")
+  compiled = len(loop.tried)
+  loop.try_least_peak()
+  assert len(loop.tried) == compiled and not loop.met
+  first = new_loop()
+  first.try_least_peak()
+  assert len(first.tried) >= 1
+
+
 def test_a_plan_compiled_already_is_not_compiled_again():
   """A solve that returns a plan the loop compiled already (a replan that lands on the
   plan before it, a least-peak plan equal to a solved one) costs a solve, not a compile."""
