@@ -890,7 +890,7 @@ class _Loop:
     the segment plans' turn. Not once the deadline has passed with a plan compiled: on a
     dropout autoencoder for TPU v5e at 0.7 with ``time_limit=120`` its solve and compile
     ran from 147 s to 213 s."""
-    late = self.tried and self.deadline.left_s() <= 0
+    late = bool(self.tried) and self.deadline.left_s() <= 0
     if self.least_peak_tried or self.met or self.solves_left() <= 0 or late:
       return
     self.least_peak_tried = True
