@@ -258,7 +258,16 @@ def group_equations(
   duplicated into each of several.
   """
   if fold and compiled is not None:
-    return _group_as_compiled(jaxpr, compiled)
+    groups, duplicated, materialized = _group_as_compiled(jaxpr, compiled)
+  else:
+    groups, duplicated, materialized = _group_by_rules(jaxpr, fold, reductions_duplicate)
+  return groups, _without_products(jaxpr, groups, duplicated), materialized
+
+
+def _group_by_rules(
+  jaxpr: Any, fold: bool, reductions_duplicate: bool
+) -> tuple[list[list[int]], set[int], dict[Any, int]]:
+  """`group_equations` by the rules (its folding, described there)."""
   eqns = jaxpr.eqns
   readers: dict[Any, list[int]] = {}
   for k, eqn in enumerate(eqns):
@@ -308,7 +317,7 @@ def group_equations(
     dup |= _input_free(jaxpr, out, outvars)
     epilogues = _dot_epilogues(jaxpr, out, readers, outvars, dup)
     materialized = _materialized_divisors(jaxpr, out, epilogues)
-  return out, _without_products(jaxpr, out, dup), materialized
+  return out, dup, materialized
 
 
 def _without_products(jaxpr: Any, groups: list[list[int]], duplicated: set[int]) -> set[int]:
@@ -357,8 +366,7 @@ def _group_as_compiled(
     total = sum(compat.aval_bytes(v.aval) for v in outs)
     for v in outs:
       materialized[v] = size * compat.aval_bytes(v.aval) // total if total else 0
-  dup = {i for i, g in enumerate(out) if g[-1] in dup_roots}
-  return out, _without_products(jaxpr, out, dup), materialized
+  return out, {i for i, g in enumerate(out) if g[-1] in dup_roots}, materialized
 
 
 # Roots whose output XLA may write into the buffer of a same-shape operand that dies there.

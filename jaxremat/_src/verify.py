@@ -1008,7 +1008,7 @@ def recomputes_survive(planned: Mapping[str, int], surviving: Mapping[str, int])
 
 
 def surviving_recomputes(original_hlo: str, emitted_hlo: str) -> dict[str, int]:
-  """Extra instructions of each expensive opcode in the emitted HLO over the original's."""
+  """Extra instructions of each `KERNEL_PRIMITIVES` opcode in the emitted HLO over the original's."""
   before, after = count_hlo_ops(original_hlo), count_hlo_ops(emitted_hlo)
   return {op: after.get(op, 0) - before.get(op, 0) for op in KERNEL_PRIMITIVES.values()}
 
@@ -1022,7 +1022,7 @@ def planned_recomputes(program: Any, schedule: Schedule) -> dict[str, int]:
   for v, recompute in live_computes(program, schedule):
     if recompute:
       for i in program.node_eqns[v]:
-        _count_expensive(program.jaxpr.jaxpr.eqns[i], counts)
+        _count_kernels(program.jaxpr.jaxpr.eqns[i], counts)
   return dict(counts)
 
 
@@ -1051,13 +1051,13 @@ def collectives_as_planned(unplanned_bytes: int, original_bytes: int) -> bool:
   return unplanned_bytes <= SENT_RTOL * original_bytes
 
 
-def _count_expensive(eqn: Any, counts: collections.Counter) -> None:
+def _count_kernels(eqn: Any, counts: collections.Counter) -> None:
   op = KERNEL_PRIMITIVES.get(eqn.primitive.name)
   if op:
     counts[op] += 1
   for inner in compat.inner_jaxprs(eqn):
     for sub in inner.eqns:
-      _count_expensive(sub, counts)
+      _count_kernels(sub, counts)
 
 
 def planned_flops_increase(program: Any, schedule: Schedule) -> float | None:
