@@ -15,6 +15,7 @@ With ``--policy``, the plan of ``jax.checkpoint``'s ``dots_saveable`` policy (so
   python -m benchmarks.pinning --target h100
   python -m benchmarks.pinning --target cpu --examples unet,vgg16 --budgets 0.7
   python -m benchmarks.pinning --target h100 --policy
+  python -m benchmarks.pinning --target tpu-v5e --batch-scale 8  # past on-chip memory
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from jaxremat._src.solve import solve
 EXAMPLES = ("mlp", "gpt", "unet", "resnet", "vgg16", "mobilenet")
 
 
-def _planning_loop(name: str, budget: float, target, deadline_s: float):
+def _planning_loop(name: str, budget: float, target, deadline_s: float, batch_scale: int = 1):
   """The example step's args, baseline and the planner's loop at ``budget`` of its peak."""
-  step, args = example_step(name, None)
+  step, args = example_step(name, None, batch_scale=batch_scale)
   signature = call_signature(args, {})
   program = jaxremat.trace_program(step, *args, signature=signature, target=target)
   baseline = program.baseline or jaxremat.measure(step, *args, runs=0, target=target)
@@ -45,11 +46,13 @@ def _planning_loop(name: str, budget: float, target, deadline_s: float):
   return args, baseline, loop
 
 
-def first_plan_pinned_both_ways(name: str, budget: float, target, time_limit_s: float) -> dict:
+def first_plan_pinned_both_ways(
+  name: str, budget: float, target, time_limit_s: float, batch_scale: int = 1
+) -> dict:
   """One row: the first plan of ``optimize`` at ``budget``, compiled with each pin."""
-  _, baseline, loop = _planning_loop(name, budget, target, 10 * time_limit_s)
+  _, baseline, loop = _planning_loop(name, budget, target, 10 * time_limit_s, batch_scale)
   planning = loop.solver_budget(loop.budget_bytes - loop.baseline_gap_bytes)
-  schedule = loop.resequenced(solve(loop.solver_graph, planning, "auto", time_limit=time_limit_s))
+  schedule = loop.solve(lambda graph: solve(graph, planning, "auto", time_limit=time_limit_s))
   row = {"example": name, "budget": budget, "solver": schedule.stats.get("found_by", "auto")}
   for pin in ("recomputations", "all"):
     tried = loop._measure(schedule.replace(stats={**schedule.stats, "pin": pin}), "solve")
@@ -65,7 +68,7 @@ def first_plan_pinned_both_ways(name: str, budget: float, target, time_limit_s: 
 def policy_plan_every_way(name: str, target) -> dict:
   """One row: the plan of ``dots_saveable`` compiled with each pin, and JAX's policy."""
   args, baseline, loop = _planning_loop(name, 1.0, target, 600.0)
-  schedule = loop.resequenced(solve(loop.solver_graph, 2**40, "dots-saveable"))
+  schedule = loop.solve(lambda graph: solve(graph, 2**40, "dots-saveable"))
   row = {"example": name}
   for pin in PINS:
     tried = loop._measure(schedule.replace(stats={**schedule.stats, "pin": pin}), "policy")
@@ -86,6 +89,7 @@ def main() -> None:
   parser.add_argument("--budgets", default="0.7,0.5")
   parser.add_argument("--time-limit", type=float, default=10.0, help="seconds for the solve")
   parser.add_argument("--policy", action="store_true", help="the dots_saveable plan, every pin")
+  parser.add_argument("--batch-scale", type=int, default=1, help="multiplies each batch size")
   a = parser.parse_args()
   target = jaxremat.get_target(None if a.target == "cpu" else a.target)
   rows = []
@@ -95,7 +99,7 @@ def main() -> None:
         if budget is None:
           row = policy_plan_every_way(name, target)
         else:
-          row = first_plan_pinned_both_ways(name, budget, target, a.time_limit)
+          row = first_plan_pinned_both_ways(name, budget, target, a.time_limit, a.batch_scale)
       except jaxremat.JaxrematError as e:  # no plan within the planning budget
         row = {"example": name, "budget": budget, "error": f"{type(e).__name__}: {e}"[:200]}
       rows.append(row)
@@ -104,6 +108,7 @@ def main() -> None:
         flush=True,
       )
   stem = f"pinning_policy_{a.target}" if a.policy else f"pinning_{a.target}"
+  stem += f"_batchx{a.batch_scale}" if a.batch_scale != 1 else ""
   save(rows, str(pathlib.Path(__file__).parent / "results" / stem))
 
 

@@ -1018,6 +1018,33 @@ def test_repeated_equations_are_merged_as_xla_cse_merges_them():
   )
 
 
+def test_a_split_is_bound_as_a_slice_per_output_it_hands_on():
+  """`split_as_slices` binds each split as one slice per output that is read (the
+  unread middle part is no equation), keeps the split's source line, and the jaxpr
+  computes what the original does, gradient included; a jaxpr without a split is
+  returned as it is."""
+  from jaxremat._src.capture import split_as_slices
+
+  def f(x):
+    a, _, c = jnp.split(x, [1, 3], axis=1)
+    return jnp.sum(a * 2.0) + jnp.sum(jnp.sin(c))
+
+  closed = jax.make_jaxpr(jax.value_and_grad(f))(jnp.ones((4, 6)))
+  sliced = split_as_slices(closed)
+  names = [e.primitive.name for e in sliced.jaxpr.eqns]
+  assert "split" in [e.primitive.name for e in closed.jaxpr.eqns] and "split" not in names
+  slices = [e for e in sliced.jaxpr.eqns if e.primitive.name == "slice"]
+  assert [e.params["start_indices"] for e in slices] == [(0, 0), (0, 3)]
+  assert all("test_trace.py" in compat.eqn_source(e) for e in slices)
+  x = jnp.linspace(-1.0, 1.0, 24).reshape(4, 6)
+  for got, want in zip(
+    compat.eval_closed_jaxpr(sliced, x), compat.eval_closed_jaxpr(closed, x), strict=True
+  ):
+    np.testing.assert_array_equal(got, want)
+  plain = jax.make_jaxpr(jnp.sin)(x)
+  assert split_as_slices(plain) is plain  # nothing to bind again
+
+
 def test_a_tpu_peak_leaves_out_what_vmem_holds_and_its_inverse_is_exact():
   """With 100 bytes on chip and 10 held in device memory: the figure follows the live
   bytes until the temporaries fill VMEM (110), stays there until they fill it twice over

@@ -2,8 +2,8 @@
 
 The pipeline's first stage (ARCHITECTURE.md): jit/pjit, custom_jvp_call, custom_vjp_call
 and checkpoint equations are evaluated in place (`flatten_jaxpr`); for the compiler's
-model, equations that repeat an earlier one are merged as XLA's CSE merges them
-(`merge_repeats`).
+model, each split becomes a slice per output (`split_as_slices`), and equations that
+repeat an earlier one are merged as XLA's CSE merges them (`merge_repeats`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,38 @@ def flatten_jaxpr(closed: Any) -> Any:
   if not any(compat.inline_body(e) is not None for e in jaxpr.eqns):
     return closed
   return retrace(closed, lambda k, eqn, invals: _inlined(eqn, invals))
+
+
+def split_as_slices(closed: Any) -> Any:
+  """Flat ``closed`` with each `split` equation bound as one `slice` per output it hands
+  on, so that each output is an equation of its own.
+
+  XLA lowers a split to a slice per output and fuses or keeps each one apart; the
+  compiler's model (`hlo_model`) knows which only per equation. On a ViT's step for
+  TPU v5e, XLA kept the value slice of the attention's ``q, k, v = split(qkv)`` and read q
+  and k from the buffer of the reshape before it. As one equation, the split stood for
+  all three at the bytes of one: a plan that kept it and freed the reshape measured
+  24 MiB a block over the model, where XLA held q and k apart.
+  """
+  jaxpr, _ = compat.open_jaxpr(closed)
+  if not any(e.primitive is jax.lax.split_p for e in jaxpr.eqns):
+    return closed
+  read = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, compat.Literal)}
+  read.update(v for v in jaxpr.outvars if not isinstance(v, compat.Literal))
+  return retrace(closed, lambda k, eqn, invals: _as_slices(eqn, invals, read))
+
+
+def _as_slices(eqn: Any, invals: list[Any], read: set[Any]) -> list[Any] | None:
+  """A split equation's outputs that are ``read``, as slices of its operand (None for
+  the others); None for any other equation."""
+  if eqn.primitive is not jax.lax.split_p:
+    return None
+  (operand,) = invals
+  axis, ends = eqn.params["axis"], np.cumsum(eqn.params["sizes"]).tolist()
+  return [
+    jax.lax.slice_in_dim(operand, end - n, end, axis=axis) if v in read else None
+    for v, n, end in zip(eqn.outvars, eqn.params["sizes"], ends, strict=True)
+  ]
 
 
 def merge_repeats(closed: Any) -> tuple[Any, tuple[int, ...]]:

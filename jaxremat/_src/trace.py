@@ -6,7 +6,8 @@ equations into nodes (folding values XLA fuses and never materializes, fact 2), 
 each node by the bytes XLA keeps, and cost it with `jaxremat._src.costs`.
 
 This module composes the stages, each a module of its own, in pipeline order:
-`capture` makes the flat jaxpr (`capture.flatten_jaxpr`, `capture.merge_repeats`);
+`capture` makes the flat jaxpr (`capture.flatten_jaxpr`; for the compiler's model
+`capture.split_as_slices`, `capture.merge_repeats`);
 `fusion` models what XLA fuses and the memory it allocates that the jaxpr does not show;
 `program` groups the equations into the nodes of a `RematGraph`, sizes and costs them
 (`program.build_program`, the `Program`); `xla_memory` counts the peak as XLA does
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 import jax
 
 from jaxremat._src import compat, hlo_model, jaxpr_text
-from jaxremat._src.capture import flatten_jaxpr, merge_repeats
+from jaxremat._src.capture import flatten_jaxpr, merge_repeats, split_as_slices
 from jaxremat._src.costs import equation_costs
 from jaxremat._src.errors import UnsupportedError
 from jaxremat._src.graph import RematGraph
@@ -163,6 +164,7 @@ def trace_program(
   )
   closed, compiled = flat, None
   if model == "compiler":
+    flat = split_as_slices(flat)
     closed, merged_index = merge_repeats(flat)
     if fold:
       # The step as written is what XLA compiles (its figures are the step's baseline),
