@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_emit import mlp_loss
+from test_trace import attention_step
 
 import jaxremat
 from jaxremat._src import compat
@@ -763,21 +764,6 @@ def test_a_value_computed_again_inside_its_reader_hands_on_only_its_own_operands
   assert most_read[3] <= most_read[2]
 
 
-def attention_loss(params, x):
-  """Pre-norm self-attention blocks whose q, k and v are one projection, split."""
-  batch, tokens, width = x.shape
-  heads = 3
-  for p in params:
-    with jax.named_scope("qkv"):
-      y = (x - x.mean(-1, keepdims=True)) @ p["qkv"]
-      q, k, v = jnp.split(y.reshape(batch, tokens, 3, heads, width // heads), 3, axis=2)
-    with jax.named_scope("logits"):
-      logits = jnp.einsum("bthd,bshd->bhts", q[:, :, 0], k[:, :, 0]) / 8.0
-    a = jax.nn.softmax(logits, -1)
-    x = x + jnp.einsum("bhts,bshd->bthd", a, v[:, :, 0]).reshape(x.shape) @ p["out"]
-  return (x**2).mean()
-
-
 def test_each_output_of_a_split_is_read_where_the_compiler_keeps_it():
   """XLA lowers a split to a slice per output and keeps each apart: on TPU v5e it keeps
   the attention's v slice in a buffer of its own and reads q and k from the buffer of
@@ -787,20 +773,9 @@ def test_each_output_of_a_split_is_read_where_the_compiler_keeps_it():
   ViT at batch 256 the first plan at 0.5 measured 646 MiB against 423 predicted; now
   439 against 418."""
   needs("tpu-v5e")
-  keys = iter(jax.random.split(jax.random.PRNGKey(0), 8))
-  width = 192
-  params = [
-    {
-      "qkv": jax.random.normal(next(keys), (width, 3 * width)) / width**0.5,
-      "out": jax.random.normal(next(keys), (width, width)) / width**0.5,
-    }
-    for _ in range(2)
-  ]
   # At batch 64 XLA keeps no slice apart: the three are computed inside their readers.
-  x = jax.random.normal(next(keys), (256, 64, width))
-  graph = jaxremat.trace_program(
-    jax.grad(attention_loss), params, x, costs="shape", target="tpu-v5e"
-  ).graph
+  step, args = attention_step(blocks=2, batch=256)
+  graph = jaxremat.trace_program(step, *args, costs="shape", target="tpu-v5e").graph
   nodes = graph.nodes
 
   def scoped(v: int, scope: str) -> bool:

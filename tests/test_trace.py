@@ -1018,6 +1018,69 @@ def test_repeated_equations_are_merged_as_xla_cse_merges_them():
   )
 
 
+def attention_loss(params, x):
+  """Pre-norm self-attention blocks whose q, k and v are one projection, split."""
+  batch, tokens, width = x.shape
+  heads = 3
+  for p in params:
+    with jax.named_scope("qkv"):
+      y = (x - x.mean(-1, keepdims=True)) @ p["qkv"]
+      q, k, v = jnp.split(y.reshape(batch, tokens, 3, heads, width // heads), 3, axis=2)
+    with jax.named_scope("logits"):
+      logits = jnp.einsum("bthd,bshd->bhts", q[:, :, 0], k[:, :, 0]) / 8.0
+    a = jax.nn.softmax(logits, -1)
+    x = x + jnp.einsum("bhts,bshd->bthd", a, v[:, :, 0]).reshape(x.shape) @ p["out"]
+  return (x**2).mean()
+
+
+def attention_step(blocks: int, batch: int):
+  """`attention_loss`'s gradient, and its arguments: ``blocks`` blocks of width 192."""
+  keys = iter(jax.random.split(jax.random.PRNGKey(0), 2 * blocks + 1))
+  width = 192
+  params = [
+    {
+      "qkv": jax.random.normal(next(keys), (width, 3 * width)) / width**0.5,
+      "out": jax.random.normal(next(keys), (width, width)) / width**0.5,
+    }
+    for _ in range(blocks)
+  ]
+  return jax.grad(attention_loss), (params, jax.random.normal(next(keys), (batch, 64, width)))
+
+
+def test_equations_that_nothing_reads_are_no_nodes():
+  """`drop_unread` drops what JAX leaves unread in a gradient (a reduction and a division
+  of each `jax.nn.softmax`) and keeps effects. As nodes read by
+  nothing, a plan that freed the values they read made them again for them alone: a
+  segment per block of a 4-block attention step measured x0.86 of the step's peak on
+  XLA:CPU (the model x0.93); now x0.48 (the model x0.45), at the same FLOPs."""
+  from jaxremat._src.capture import drop_unread, flatten_jaxpr
+  from jaxremat._src.segments import segment_schedule
+
+  step, args = attention_step(blocks=4, batch=32)
+  flat = flatten_jaxpr(jax.make_jaxpr(step)(*args))
+  dropped = drop_unread(flat)
+  assert len(dropped.jaxpr.eqns) < len(flat.jaxpr.eqns)
+  read = {
+    v
+    for v in [*(v for e in dropped.jaxpr.eqns for v in e.invars), *dropped.jaxpr.outvars]
+    if not isinstance(v, compat.Literal)
+  }
+  assert all(any(v in read for v in e.outvars) for e in dropped.jaxpr.eqns)
+  printed = jax.make_jaxpr(lambda x: (jax.debug.print("{}", x[0]), jnp.sin(x), x * 2)[2])
+  names = [e.primitive.name for e in drop_unread(printed(jnp.ones(3))).jaxpr.eqns]
+  assert "debug_print" in names and "sin" not in names and "mul" in names
+
+  program = jaxremat.trace_program(step, *args, costs="shape")
+  graph = program.graph
+  assert all(graph.succs[v] or v in graph.outputs for v in graph.order)
+  plan = segment_schedule(graph, 4)
+  original = jaxremat.measure(step, *args, runs=0)
+  measured = jaxremat.measure(jaxremat.emit(program, plan), *args, runs=0)
+  assert measured.peak_bytes < 0.6 * original.peak_bytes
+  predicted = xla_accounted_peak_bytes(graph, plan, 0) / xla_accounted_peak_bytes(graph, None, 0)
+  assert abs(predicted - measured.peak_bytes / original.peak_bytes) < 0.1
+
+
 def test_a_split_is_bound_as_a_slice_per_output_it_hands_on():
   """`split_as_slices` binds each split as one slice per output that is read (the
   unread middle part is no equation), keeps the split's source line, and the jaxpr

@@ -1,9 +1,10 @@
 """Program capture: a traced jaxpr with its call-like equations inlined into one flat jaxpr.
 
 The pipeline's first stage (ARCHITECTURE.md): jit/pjit, custom_jvp_call, custom_vjp_call
-and checkpoint equations are evaluated in place (`flatten_jaxpr`); for the compiler's
-model, each split becomes a slice per output (`split_as_slices`), and equations that
-repeat an earlier one are merged as XLA's CSE merges them (`merge_repeats`).
+and checkpoint equations are evaluated in place (`flatten_jaxpr`), and equations read by
+nothing dropped (`drop_unread`); for the compiler's model, each split becomes a slice per
+output (`split_as_slices`), and equations that repeat an earlier one are merged as XLA's
+CSE merges them (`merge_repeats`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,27 @@ def flatten_jaxpr(closed: Any) -> Any:
   if not any(compat.inline_body(e) is not None for e in jaxpr.eqns):
     return closed
   return retrace(closed, lambda k, eqn, invals: _inlined(eqn, invals))
+
+
+def drop_unread(closed: Any) -> Any:
+  """Flat ``closed`` without the equations that have no effects and whose outputs
+  nothing reads, as XLA compiles none of them.
+
+  JAX leaves some in a gradient (a reduction and a division of each `jax.nn.softmax`): as
+  nodes read by nothing, a plan that freed the values they read made them again for those
+  nodes alone. On a 6-block ViT, segment plans recomputed every block's attention at the
+  end of the forward pass for them.
+  """
+  jaxpr, _ = compat.open_jaxpr(closed)
+  read = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
+  kept = []
+  for eqn in reversed(jaxpr.eqns):
+    if eqn.effects or any(v in read for v in eqn.outvars):
+      kept.append(eqn)
+      read.update(v for v in eqn.invars if not isinstance(v, compat.Literal))
+  if len(kept) == len(jaxpr.eqns):
+    return closed
+  return compat.replace_body(closed, kept[::-1], jaxpr.outvars)
 
 
 def split_as_slices(closed: Any) -> Any:

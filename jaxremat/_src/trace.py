@@ -6,8 +6,8 @@ equations into nodes (folding values XLA fuses and never materializes, fact 2), 
 each node by the bytes XLA keeps, and cost it with `jaxremat._src.costs`.
 
 This module composes the stages, each a module of its own, in pipeline order:
-`capture` makes the flat jaxpr (`capture.flatten_jaxpr`; for the compiler's model
-`capture.split_as_slices`, `capture.merge_repeats`);
+`capture` makes the flat jaxpr (`capture.flatten_jaxpr`, `capture.drop_unread`; for the
+compiler's model `capture.split_as_slices`, `capture.merge_repeats`);
 `fusion` models what XLA fuses and the memory it allocates that the jaxpr does not show;
 `program` groups the equations into the nodes of a `RematGraph`, sizes and costs them
 (`program.build_program`, the `Program`); `xla_memory` counts the peak as XLA does
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import jax
 
 from jaxremat._src import compat, hlo_model, jaxpr_text
-from jaxremat._src.capture import flatten_jaxpr, merge_repeats, split_as_slices
+from jaxremat._src.capture import drop_unread, flatten_jaxpr, merge_repeats, split_as_slices
 from jaxremat._src.costs import equation_costs
 from jaxremat._src.errors import UnsupportedError
 from jaxremat._src.graph import RematGraph
@@ -147,7 +147,7 @@ def trace_program(
   except jax.errors.ConcretizationTypeError as e:
     raise UnsupportedError(MSG_CONCRETE.format(name=fn_name, error=str(e).splitlines()[0])) from e
   flat, rewrites = shed_residuals(
-    flatten_jaxpr(traced),
+    drop_unread(flatten_jaxpr(traced)),
     shed_loop_bytes,
     # The target compiler's FLOPs, as the planner compares plans by.
     lambda eqns: [
