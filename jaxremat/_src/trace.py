@@ -251,7 +251,7 @@ def graph_from_jaxpr_text(
   """
   parsed = jaxpr_text.parse_jaxpr_text(text, source)
   flat = jaxpr_text.inline_calls(parsed, compat.INLINE_PRIMITIVES, compat.BODY_PARAMS, source)
-  closed = jaxpr_text.to_closed_jaxpr(flat)
+  closed = drop_unread(jaxpr_text.to_closed_jaxpr(flat))
   return build_program(
     closed,
     fold=fold,
