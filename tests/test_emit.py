@@ -360,14 +360,15 @@ def test_a_kept_product_that_xla_fuses_into_its_reader_is_counted_with_its_bytes
 def test_a_recomputed_random_draw_is_drawn_again():
   # The draw reads only its key. Fenced through the key's data, the recomputation waits
   # for its trigger; unfenced, XLA merged it with the first draw and held the bits from
-  # the forward pass to the backward one.
+  # the forward pass to the backward one. The loss is an output, so that the forward
+  # pass reads the draw (of a gradient alone, XLA drops the forward sum).
   def loss(x, key):
     keep = jax.random.bernoulli(key, 0.5, x.shape)
     return jnp.sum(jnp.where(keep, jnp.sin(x), 0.0) ** 2)
 
   x = jax.random.normal(jax.random.key(0), (256, 256))
   key = jax.random.key(1)
-  f = jax.grad(loss)
+  f = jax.value_and_grad(loss)
   program = trace_program(f, x, key)
   graph = program.graph
   draw = next(v for v in graph.order if graph.nodes[v].attrs["primitive"] == "random_bits")
