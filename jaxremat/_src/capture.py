@@ -56,8 +56,8 @@ def drop_unread(closed: Any) -> Any:
 
 
 def split_as_slices(closed: Any) -> Any:
-  """Flat ``closed`` with each `split` equation bound as one `slice` per output it hands
-  on, so that each output is an equation of its own.
+  """Flat ``closed`` with each `split` equation bound as one `slice` per output that is
+  read, so that each output is an equation of its own.
 
   XLA lowers a split to a slice per output and fuses or keeps each one apart; the
   compiler's model (`hlo_model`) knows which only per equation. On a ViT's step for
@@ -69,21 +69,20 @@ def split_as_slices(closed: Any) -> Any:
   jaxpr, _ = compat.open_jaxpr(closed)
   if not any(e.primitive is jax.lax.split_p for e in jaxpr.eqns):
     return closed
-  read = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, compat.Literal)}
-  read.update(v for v in jaxpr.outvars if not isinstance(v, compat.Literal))
-  return retrace(closed, lambda k, eqn, invals: _as_slices(eqn, invals, read))
+  # The slices of outputs nothing reads are read by nothing either.
+  return drop_unread(retrace(closed, lambda k, eqn, invals: _as_slices(eqn, invals)))
 
 
-def _as_slices(eqn: Any, invals: list[Any], read: set[Any]) -> list[Any] | None:
-  """A split equation's outputs that are ``read``, as slices of its operand (None for
-  the others); None for any other equation."""
+def _as_slices(eqn: Any, invals: list[Any]) -> list[Any] | None:
+  """A split equation's outputs as slices of its operand; None for any other equation."""
   if eqn.primitive is not jax.lax.split_p:
     return None
   (operand,) = invals
-  axis, ends = eqn.params["axis"], np.cumsum(eqn.params["sizes"]).tolist()
+  axis, sizes = eqn.params["axis"], eqn.params["sizes"]
+  ends = np.cumsum(sizes).tolist()
   return [
-    jax.lax.slice_in_dim(operand, end - n, end, axis=axis) if v in read else None
-    for v, n, end in zip(eqn.outvars, eqn.params["sizes"], ends, strict=True)
+    jax.lax.slice_in_dim(operand, end - n, end, axis=axis)
+    for n, end in zip(sizes, ends, strict=True)
   ]
 
 
