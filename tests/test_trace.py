@@ -591,7 +591,7 @@ def test_the_compiler_model_sizes_values_as_the_target_lays_them_out():
   from jaxremat._src import hlo_model
   from jaxremat._src.hlo_text import buffers
 
-  assert buffers("f32[30,100]{1,0:T(8,128)}") == buffers("f32[32,128]{1,0}")
+  assert buffers("f32[30,100]{1,0:T(8,128)}")[0].bytes == buffers("f32[32,128]{1,0}")[0].bytes
   assert buffers("bf16[2,100,100]{2,0,1:T(2,128)(2,1)}")[0].bytes == 100 * 2 * 128 * 2
   assert buffers("pred[7]{0:T(1024)E(32)}")[0].bytes == 4096
   hlo = "\n".join(

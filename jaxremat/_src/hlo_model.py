@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
+from collections.abc import Mapping
 from typing import Any, Final
 
 import jax
@@ -48,6 +50,7 @@ from jaxremat._src.targets import Target
 
 _SCOPE: Final = "jaxremat_eqn"
 _SCOPED = re.compile(_SCOPE + r"(\d+)")
+_STEP = re.compile(_SCOPE + r"\d+/([^/\"]+)")
 _CALLS = re.compile(r"calls=%([\w.-]+)")
 # Instructions that hold no buffer of their own.
 _NO_BUFFER: Final = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "constant"})
@@ -126,12 +129,14 @@ def compiled_values(
 
   specs = specs or [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
   measured = measure(scoped, *specs, runs=0, donate_argnums=donate_argnums, target=target)
-  values = values_in_hlo(measured.hlo_text, len(jaxpr.invars))
+  equations = {
+    k: (eqn.primitive.name, min(math.prod(v.aval.shape) for v in eqn.outvars))
+    for k, eqn in zip(scopes, jaxpr.eqns)
+    if eqn.outvars
+  }
+  values = values_in_hlo(measured.hlo_text, len(jaxpr.invars), equations)
   return dataclasses.replace(
-    values,
-    measurement=measured,
-    partitions=partitions(measured.hlo_text),
-    collective_bytes=collective_bytes(measured.hlo_text),
+    values, measurement=measured, collective_bytes=collective_bytes(measured.hlo_text)
   )
 
 
@@ -177,7 +182,9 @@ def collective_bytes(hlo: str) -> dict[int, int]:
   return out
 
 
-def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
+def values_in_hlo(
+  hlo: str, n_arguments: int, equations: Mapping[int, tuple[str, int]] | None = None
+) -> CompiledValues:
   """The scoped equations that top-level instructions of the entry computation root, the
   bytes of what they hold in device memory, and where the schedule makes them (the entry
   computation of an optimized module lists its instructions in execution order).
@@ -206,10 +213,15 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
   remakes its maker, and holds it for its last reader, or it is the output of the one
   reader that updates it in place. Other unnamed buffers read by several equations are
   left out: their lifetimes are not known (XLA:CPU drops the names of bfloat16
-  arithmetic).
+  arithmetic). A buffer that an inner step of its equation's lowering makes, smaller than
+  one device's share of every output of the equation (``equations``: per scoped
+  equation, its primitive and the elements of its smallest output), is no value of it
+  and named after no equation.
   """
-  parts = computations(hlo)
-  entry = next(c for c in parts.values() if c.is_entry)
+  equations = equations or {}
+  parts = partitions(hlo)
+  computed = computations(hlo)
+  entry = next(c for c in computed.values() if c.is_entry)
   roots_of: dict[str, list[int | None]] = {}  # instruction -> the equation of each output
   own: dict[str, int | None] = {}  # instruction -> the equation it runs for, if named
   held: dict[str, list[int]] = {}  # instruction -> the bytes of each of its buffers
@@ -237,14 +249,35 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
       elements[name] = whole[index : index + 1] if len(whole) > 1 else whole
     else:
       called = _CALLS.search(instruction.rest)
-      body = parts[called.group(1)].instructions if called and called.group(1) in parts else []
-      sizes_of = [b.bytes for b in buffers(instruction.shape)]
+      body = (
+        computed[called.group(1)].instructions if called and called.group(1) in computed else []
+      )
+      made = buffers(instruction.shape)
+      sizes_of = [b.bytes for b in made]
+      holders: list[Instruction | None] = [instruction]
       roots = [_scope(instruction.line)]
       if instruction.opcode == "fusion" and body:
-        roots = _fusion_roots(body) or roots
+        found = _fusion_outputs(body)
+        if any(i is not None for i in found):
+          holders = found
+          roots = [None if i is None else _scope(i.line) for i in found]
         inside[name] = {k for i in body if (k := _scope(i.line)) is not None}
       elif len(listed := _scopes(instruction.line)) == len(sizes_of) > 1:
         roots = listed  # ops XLA combined (one all-reduce of every gradient) name each output
+        holders = [None] * len(listed)
+      # An inner step of an equation's lowering that makes less than the equation's value
+      # holds a part of the work, not the value: the per-axis counters of threefry's
+      # random bits, which XLA:TPU computes into each reader. (A conversion that XLA moves
+      # before a broadcast holds the value, in fewer elements, under its own name.)
+      roots = [
+        None
+        if i is not None
+        and k in equations
+        and _step(i.line) not in (None, equations[k][0])
+        and b.elements * parts < equations[k][1]
+        else k
+        for k, i, b in zip(roots, holders, made)
+      ] + roots[len(made) :]
       roots_of[name] = roots
       own[name] = next((k for k in roots if k is not None), _scope(instruction.line))
       held[name] = sizes_of or [0]
@@ -434,6 +467,7 @@ def values_in_hlo(hlo: str, n_arguments: int) -> CompiledValues:
     frozenset(hoisted),
     remade_for,
     constants_for,
+    partitions=parts,
   )
 
 
@@ -475,16 +509,15 @@ def _own_step(
   )
 
 
-def _fusion_roots(body: list[Instruction]) -> list[int | None]:
-  """The equation of each output of a fused computation (its root, or a root tuple's
-  operands in order); empty where none is named."""
+def _fusion_outputs(body: list[Instruction]) -> list[Instruction | None]:
+  """The named instruction that holds each output of a fused computation (its root, or a
+  root tuple's operands in order), where one does."""
   root = next((i for i in body if i.is_root), None)
   if root is None:
     return []
   by_name = {i.name: i for i in body}
   outputs = [by_name.get(name) for name in root.operands] if root.opcode == "tuple" else [root]
-  roots = [_value_scope(i, by_name) for i in outputs]
-  return roots if any(k is not None for k in roots) else []
+  return [_value_holder(i, by_name) for i in outputs]
 
 
 def _constant_outputs(body: list[Instruction]) -> set[int]:
@@ -507,19 +540,29 @@ def _constant_outputs(body: list[Instruction]) -> set[int]:
   return {j for j, name in enumerate(outputs) if not reads(name)}
 
 
-def _value_scope(instruction: Instruction | None, by_name: dict[str, Instruction]) -> int | None:
-  """The equation whose value ``instruction`` holds: its own scope, or through unnamed
-  conversions that only change how the value is stored. XLA:TPU writes a float32
-  cotangent out of its fusion as an unnamed bfloat16 ``convert`` for the next product
-  (the MLP example's backward pass); without this the value read as never kept, and its
-  readers as reading the whole chain of cotangents before it."""
+def _value_holder(
+  instruction: Instruction | None, by_name: dict[str, Instruction]
+) -> Instruction | None:
+  """The instruction named after the equation whose value ``instruction`` holds: itself,
+  or the one before unnamed conversions that only change how the value is stored.
+  XLA:TPU writes a float32 cotangent out of its fusion as an unnamed bfloat16 ``convert``
+  for the next product (the MLP example's backward pass); without this the value read as
+  never kept, and its readers as reading the whole chain of cotangents before it."""
   while instruction is not None:
-    found = _scope(instruction.line)
-    if found is not None or instruction.opcode not in _STORAGE_ONLY:
-      return found
+    if _scope(instruction.line) is not None:
+      return instruction
+    if instruction.opcode not in _STORAGE_ONLY:
+      return None
     operands = instruction.operands
     instruction = by_name.get(operands[0]) if len(operands) == 1 else None
   return None
+
+
+def _step(line: str) -> str | None:
+  """What the innermost equation scope in an instruction's metadata names next: the
+  equation's primitive, or a step of its lowering ("iota_2x32_shape" of `random_bits`)."""
+  found = _STEP.findall(line)
+  return found[-1] if found else None
 
 
 def _scope(line: str) -> int | None:

@@ -208,6 +208,7 @@ class Buffer:
 
   dtype: str
   bytes: int  # with the layout's tile padding
+  elements: int  # without it
 
 
 def buffers(shape: str) -> list[Buffer]:
@@ -220,13 +221,14 @@ def buffers(shape: str) -> list[Buffer]:
 
   Example:
     >>> buffers("(bf16[30,100]{1,0:T(8,128)(2,1)}, u8[64]{0})")
-    [Buffer(dtype='bf16', bytes=8192), Buffer(dtype='u8', bytes=64)]
+    [Buffer(dtype='bf16', bytes=8192, elements=3000), Buffer(dtype='u8', bytes=64, elements=64)]
   """
   return [_buffer(*match.groups()) for match in _ARRAY.finditer(shape)]
 
 
 def _buffer(dtype: str, dims_text: str, layout: str | None) -> Buffer:
   dims = _parse_dims(dims_text)
+  elements = math.prod(dims)
   bits = _element_bits(dtype)
   if layout:
     order, _, attributes = layout.partition(":")
@@ -240,7 +242,7 @@ def _buffer(dtype: str, dims_text: str, layout: str | None) -> Buffer:
         dims[j] = -(-dims[j] // t) * t
     if element := re.search(r"E\((\d+)\)", attributes):
       bits = int(element.group(1))
-  return Buffer(dtype, -(-math.prod(dims) * bits // 8))
+  return Buffer(dtype, -(-math.prod(dims) * bits // 8), elements)
 
 
 def _element_bits(dtype: str) -> int:
