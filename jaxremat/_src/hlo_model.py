@@ -39,6 +39,7 @@ import jax
 from jaxremat._src import compat
 from jaxremat._src.hlo_text import (
   COLLECTIVES,
+  Buffer,
   Instruction,
   buffers,
   collectives,
@@ -220,6 +221,18 @@ def values_in_hlo(
   """
   equations = equations or {}
   parts = partitions(hlo)
+
+  def lowering_step(k: int | None, holder: Instruction | None, made: Buffer) -> bool:
+    """Whether ``holder`` makes a part of equation ``k``'s work, not its value: an inner
+    step of its lowering with fewer elements than one device's share of every output
+    (the per-axis counters of threefry's random bits, which XLA:TPU computes into each
+    reader). A conversion that XLA moves before a broadcast holds the value, in fewer
+    elements, under the equation's own primitive."""
+    if holder is None or k not in equations:
+      return False
+    primitive, fewest = equations[k]
+    return _step(holder.line) not in (None, primitive) and made.elements * parts < fewest
+
   computed = computations(hlo)
   entry = next(c for c in computed.values() if c.is_entry)
   roots_of: dict[str, list[int | None]] = {}  # instruction -> the equation of each output
@@ -265,18 +278,8 @@ def values_in_hlo(
       elif len(listed := _scopes(instruction.line)) == len(sizes_of) > 1:
         roots = listed  # ops XLA combined (one all-reduce of every gradient) name each output
         holders = [None] * len(listed)
-      # An inner step of an equation's lowering that makes less than the equation's value
-      # holds a part of the work, not the value: the per-axis counters of threefry's
-      # random bits, which XLA:TPU computes into each reader. (A conversion that XLA moves
-      # before a broadcast holds the value, in fewer elements, under its own name.)
       roots = [
-        None
-        if i is not None
-        and k in equations
-        and _step(i.line) not in (None, equations[k][0])
-        and b.elements * parts < equations[k][1]
-        else k
-        for k, i, b in zip(roots, holders, made)
+        None if lowering_step(k, i, b) else k for k, i, b in zip(roots, holders, made)
       ] + roots[len(made) :]
       roots_of[name] = roots
       own[name] = next((k for k in roots if k is not None), _scope(instruction.line))
