@@ -255,6 +255,31 @@ def test_low_precision_steps_get_a_larger_perturbation():
   assert noise_envelope(lambda x: jnp.sum(x**2), x).perturbation == 64 * 2.0**-23
 
 
+def test_a_step_that_computes_in_bfloat16_is_perturbed_as_bfloat16():
+  """Float32 in and out, bfloat16 inside (mixed precision): a recomputation reorders its
+  bfloat16 sums, so the perturbation is bfloat16's (`computed_dtypes`). The product
+  summed in two halves passes; one half dropped fails, in Adam's moments, which follow
+  the gradient."""
+  w = jax.random.normal(jax.random.key(3), (256, 64))
+  x = jax.random.normal(jax.random.key(4), (64, 256))
+
+  def step(w, x, halves=None):
+    def loss(w):
+      xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+      h = xb @ wb if halves is None else sum(xb[:, i::2] @ wb[i::2] for i in halves)
+      return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    updates, state = OPTIMIZER.update(jax.grad(loss)(w), OPTIMIZER.init(w), w)
+    return optax.apply_updates(w, updates), state
+
+  envelope = noise_envelope(step, w, x)
+  assert envelope.perturbation == 2.0**-5
+  split = jax.jit(functools.partial(step, halves=(0, 1)))(w, x)
+  assert compare_with_envelope(envelope, split).outputs_match
+  dropped = jax.jit(functools.partial(step, halves=(0,)))(w, x)
+  assert not compare_with_envelope(envelope, dropped).outputs_match
+
+
 # -- where to verify ----------------------------------------------------------------------
 
 

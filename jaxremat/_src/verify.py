@@ -205,7 +205,8 @@ def compare_outputs(
     two perturbed copies of its inputs, ``x * (1 + delta * s)`` and ``x * (1 - delta * s)``,
     with ``s`` a fixed pseudo-random +-1 per element (+1 with probability 3/4, from
     ``seed``) on floating-point input leaves only; ``delta = min(64 * eps, 2**-5)`` for the
-    lowest-precision floating dtype among the inputs and the outputs, float32 counted at
+    lowest-precision floating dtype among the inputs, the outputs and the values it computes
+    (`computed_dtypes`), float32 counted at
     the precision the backend's float32 dots have (TensorFloat-32 on GPU, bfloat16 on
     TPU: `BackendFacts.float32_dot_eps`, since a recomputed dot may take another
     algorithm). An element's
@@ -375,14 +376,30 @@ def _noise_envelope(
   leaves = jax.tree.leaves(expected)
   inputs = [x.dtype for x in jax.tree.leaves((args, kwargs)) if hasattr(x, "dtype")]
   spreads: list[np.ndarray | None] = [None] * len(leaves)
-  # The optimized step ran on the default backend, whose float32 dots may be narrower.
-  delta = perturbation_size(inputs + [x.dtype for x in leaves], backend_facts().float32_dot_eps())
   if not (perturb and any(map(_is_inexact, inputs)) and any(_is_inexact(x.dtype) for x in leaves)):
     return NoiseEnvelope(expected, tuple(spreads), 0.0)
+  # The optimized step ran on the default backend, whose float32 dots may be narrower.
+  computed = inputs + [x.dtype for x in leaves] + computed_dtypes(fn, args, kwargs)
+  delta = perturbation_size(computed, backend_facts().float32_dot_eps())
   for scale in (delta, -delta):
     for i, f in enumerate(jax.tree.leaves(outputs(scale))):
       spreads[i] = _widen(spreads[i], leaves[i], f)
   return NoiseEnvelope(expected, tuple(spreads), delta)
+
+
+def computed_dtypes(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+  """The dtypes of the values ``fn`` computes, in inner jaxprs too: a step that keeps its
+  parameters in float32 and computes in bfloat16 sums in bfloat16, and a recomputation
+  reorders those sums (a Llama-style decoder with Adam: one near-zero gradient of 256,
+  -8e-8 against a median of 3e-5, changed sign, and Adam's first step moved its weight
+  by 1.6e-3 the other way; float32 perturbations had left it where it was)."""
+  closed = jax.make_jaxpr(fn)(*args, **kwargs)
+  dtypes, bodies = [], [closed.jaxpr]
+  while bodies:
+    for eqn in bodies.pop().eqns:
+      dtypes.extend(v.aval.dtype for v in eqn.outvars if hasattr(v.aval, "dtype"))
+      bodies.extend(compat.inner_jaxprs(eqn))
+  return dtypes
 
 
 def compare_with_envelope(
