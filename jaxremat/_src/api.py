@@ -126,9 +126,10 @@ def optimize(
       host. The step that is returned runs on this machine.
     model: the memory model plans are made in (`jaxremat.trace_program`): ``"rules"``
       (XLA:CPU's fusion rules), ``"compiler"`` (what the target compiler keeps of the
-      step, read from its optimized program), or ``"auto"``: the rules on XLA:CPU, the
-      compiler's elsewhere. The compiler's is closer on steps the rules were not written
-      for (benchmarks/README.md, "The compiler's model").
+      step, read from its optimized program), or ``"auto"``: the rules on XLA:CPU for a
+      step on one device that computes in float32 or wider, the compiler's elsewhere.
+      The compiler's is closer on steps the rules were not written for
+      (benchmarks/README.md, "The compiler's model").
     **solver_options: passed to the solver.
 
   Returns:

@@ -18,6 +18,27 @@ import numpy as np
 from jaxremat._src import compat
 from jaxremat._src.signature import abstract, is_array
 
+# -- what a jaxpr computes ----------------------------------------------------------------
+
+
+def value_dtypes(jaxpr: Any) -> set[Any]:
+  """The dtypes of the values an open ``jaxpr`` computes, in its inner jaxprs too."""
+  dtypes, bodies = set(), [jaxpr]
+  while bodies:
+    for eqn in bodies.pop().eqns:
+      dtypes.update(v.aval.dtype for v in eqn.outvars if hasattr(v.aval, "dtype"))
+      bodies.extend(compat.inner_jaxprs(eqn))
+  return dtypes
+
+
+def computes_below_float32(jaxpr: Any) -> bool:
+  """Whether an open ``jaxpr`` computes any value in a float narrower than float32."""
+  return any(
+    jax.numpy.issubdtype(d, jax.numpy.floating) and jax.numpy.finfo(d).bits < 32
+    for d in value_dtypes(jaxpr)
+  )
+
+
 # -- inlining ----------------------------------------------------------------------------
 
 

@@ -23,7 +23,13 @@ from collections.abc import Callable, Sequence
 import jax
 
 from jaxremat._src import compat, hlo_model, jaxpr_text
-from jaxremat._src.capture import drop_unread, flatten_jaxpr, merge_repeats, split_as_slices
+from jaxremat._src.capture import (
+  computes_below_float32,
+  drop_unread,
+  flatten_jaxpr,
+  merge_repeats,
+  split_as_slices,
+)
 from jaxremat._src.costs import equation_costs
 from jaxremat._src.errors import UnsupportedError
 from jaxremat._src.graph import RematGraph
@@ -96,7 +102,9 @@ def trace_program(
       compile that also gives `Program.baseline`, `hlo_model`: which values it keeps,
       their bytes as the target lays them out, its scratch copies, and its schedule's
       order as the graph's); ``"auto"``: the rules on XLA:CPU, for which they were
-      written, and the compiler on a GPU or TPU, with or without its devices here.
+      written, but for a step that computes in a float narrower than float32 or is
+      partitioned over a mesh, and the compiler on a GPU or TPU, with or without its
+      devices here.
     shed_loop_bytes: bytes the step's differentiated `scan` loops store for the backward
       pass that the program stores less (`loops.shed_residuals`: each iteration stores
       other values of its body and the backward pass recomputes the rest from them, at
@@ -135,17 +143,21 @@ def trace_program(
       static_argnames=static_argnames,
       donate_argnums=donate_argnums,
     )
-  if model == "auto":
-    # On a real H100 the rules put the MLP example's plan at 0.7 at 29.50 MiB, where its
-    # compiler measured 32.30 (benchmarks/README.md, "On a real GPU"). The rules know one
-    # device: a step partitioned over a mesh holds what its compiled program says.
-    model = "rules" if target.platform == "cpu" and not signature.partitioned else "compiler"
   flat_fn = FlatStep(fn, signature)
   fn_name = name or getattr(fn, "__name__", None) or type(fn).__name__
   try:
     traced = jax.make_jaxpr(flat_fn)(*signature.specs)
   except jax.errors.ConcretizationTypeError as e:
     raise UnsupportedError(MSG_CONCRETE.format(name=fn_name, error=str(e).splitlines()[0])) from e
+  if model == "auto":
+    # On a real H100 the rules put the MLP example's plan at 0.7 at 29.50 MiB, where its
+    # compiler measured 32.30 (benchmarks/README.md, "On a real GPU"). The rules know one
+    # device: a step partitioned over a mesh holds what its compiled program says. They
+    # were measured on float32 steps: XLA:CPU computes bfloat16 arithmetic in float32 and
+    # converts it for storage (a bfloat16 Llama-style decoder's step: x0.70 of XLA's
+    # peak in the rules, x0.99 in the compiler's model).
+    rules = not (signature.partitioned or computes_below_float32(traced.jaxpr))
+    model = "rules" if target.platform == "cpu" and rules else "compiler"
   flat, rewrites = shed_residuals(
     drop_unread(flatten_jaxpr(traced)),
     shed_loop_bytes,

@@ -24,6 +24,7 @@ from jax import lax
 
 from jaxremat._src import compat
 from jaxremat._src.backends import backend_facts
+from jaxremat._src.capture import value_dtypes
 from jaxremat._src.emit import live_computes
 from jaxremat._src.fusion import KERNEL_PRIMITIVES
 from jaxremat._src.hlo_text import count_hlo_ops
@@ -393,13 +394,7 @@ def computed_dtypes(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
   reorders those sums (a Llama-style decoder with Adam: one near-zero gradient of 256,
   -8e-8 against a median of 3e-5, changed sign, and Adam's first step moved its weight
   by 1.6e-3 the other way; float32 perturbations had left it where it was)."""
-  closed = jax.make_jaxpr(fn)(*args, **kwargs)
-  dtypes, bodies = [], [closed.jaxpr]
-  while bodies:
-    for eqn in bodies.pop().eqns:
-      dtypes.extend(v.aval.dtype for v in eqn.outvars if hasattr(v.aval, "dtype"))
-      bodies.extend(compat.inner_jaxprs(eqn))
-  return dtypes
+  return list(value_dtypes(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr))
 
 
 def compare_with_envelope(
