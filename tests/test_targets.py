@@ -848,8 +848,10 @@ def test_past_vmem_the_tpu_model_counts_only_what_lives_beyond_it():
   assert 0.9 * measured.peak_bytes <= predicted <= 1.1 * measured.peak_bytes
   all_live = dataclasses.replace(graph, meta={**graph.meta, "on_chip_bytes": 0})
   assert xla_accounted_peak_bytes(all_live, None, measured.alias_bytes) > 1.3 * measured.peak_bytes
+  # 120 s: on CI's two cores at 60 s the solves beside the compiles found no plan below
+  # the first (7 plans, the best 1.6% over); alone here the second plan met it at 40 s.
   plan = jaxremat.optimize(
-    step, budget=0.7, target=target, time_limit=60, use_cache=False, progress=False
+    step, budget=0.7, target=target, time_limit=120, use_cache=False, progress=False
   ).plan(*args)
   assert plan.measured_peak_bytes <= plan.budget_bytes
 
