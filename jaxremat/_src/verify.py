@@ -351,10 +351,13 @@ def _noise_envelope(
   perturb: bool,
   executable: Any = None,
   donate_argnums: int | Sequence[int] = (),
+  computed: Sequence[Any] | None = None,
 ) -> NoiseEnvelope:
   """`noise_envelope`; with ``executable`` (``fn`` compiled for the default device with
   ``donate_argnums``), ``fn`` runs in it on copies of the donated arguments, perturbed by
-  a function of their own: the original step is not compiled again."""
+  a function of their own: the original step is not compiled again. ``computed``: the
+  dtypes of the values ``fn`` computes, where its traced program holds them (else
+  `computed_dtypes` traces ``fn``)."""
   place = _verification_device(device)
   args, kwargs = _put((args, kwargs), place)
   if executable is not None and place is None:
@@ -380,8 +383,10 @@ def _noise_envelope(
   if not (perturb and any(map(_is_inexact, inputs)) and any(_is_inexact(x.dtype) for x in leaves)):
     return NoiseEnvelope(expected, tuple(spreads), 0.0)
   # The optimized step ran on the default backend, whose float32 dots may be narrower.
-  computed = inputs + [x.dtype for x in leaves] + computed_dtypes(fn, args, kwargs)
-  delta = perturbation_size(computed, backend_facts().float32_dot_eps())
+  if computed is None:
+    computed = computed_dtypes(fn, args, kwargs)
+  dtypes = [*inputs, *(x.dtype for x in leaves), *computed]
+  delta = perturbation_size(dtypes, backend_facts().float32_dot_eps())
   for scale in (delta, -delta):
     for i, f in enumerate(jax.tree.leaves(outputs(scale))):
       spreads[i] = _widen(spreads[i], leaves[i], f)
@@ -976,6 +981,7 @@ def verify(
       perturb=perturb,
       executable=original_executable,
       donate_argnums=donate_argnums,
+      computed=list(value_dtypes(program.jaxpr.jaxpr)),
     )
   comparison = compare_with_envelope(envelope, got, rtol=rtol, atol=atol)
   emitted_m = emitted_measurement or measure(emitted, *args, **measured, **kwargs)
