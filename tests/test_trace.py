@@ -604,11 +604,33 @@ def test_a_step_that_computes_in_bfloat16_gets_the_compilers_model_by_default():
   assert auto.graph.meta["model"] == "compiler"
   rules = jaxremat.trace_program(step, ws, x, costs="shape", model="rules")
   measured = jaxremat.measure(step, ws, x, runs=0).peak_bytes
-  # XLA:CPU: x0.74 of its peak in the compiler's model, x0.61 in the rules.
+  # XLA:CPU: x1.09 of its peak in the compiler's model, x0.61 in the rules.
   auto_error, rules_error = (
     abs(xla_accounted_peak_bytes(p.graph) - measured) for p in (auto, rules)
   )
   assert auto_error < rules_error, (auto_error, rules_error, measured)
+
+
+def test_a_bfloat16_step_is_within_ten_percent_of_xla_cpus_peak_in_the_compilers_model():
+  """XLA:CPU holds float32 copies of a bfloat16 step's weights and activations for the
+  forward products and the weights' gradients, named after no equation: the compiler's
+  model counts them (x0.49 of XLA:CPU's peak on this step before, x1.00 now)."""
+  ws = [
+    (jax.random.normal(jax.random.key(i), (256, 256)) / 16).astype(jnp.bfloat16) for i in range(6)
+  ]
+  x = jax.random.normal(jax.random.key(9), (1024, 256)).astype(jnp.bfloat16)
+
+  def loss(ws, x):
+    h = x
+    for w in ws:
+      h = jnp.tanh(h @ w)
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+  step = jax.grad(loss)
+  program = jaxremat.trace_program(step, ws, x, costs="shape")
+  measured = jaxremat.measure(step, ws, x, runs=0).peak_bytes
+  assert program.graph.meta["model"] == "compiler"
+  assert abs(xla_accounted_peak_bytes(program.graph) / measured - 1) < 0.1
 
 
 def test_the_compiler_model_sizes_values_as_the_target_lays_them_out():
@@ -646,6 +668,51 @@ def test_the_compiler_model_sizes_values_as_the_target_lays_them_out():
 def scope(k: int, op: str) -> str:
   """The metadata of an instruction that `hlo_model` reads as equation ``k``'s."""
   return f'metadata={{op_name="jit(f)/jaxremat_eqn{k}/{op}"}}'
+
+
+def test_unnamed_float32_copies_of_bfloat16_values_and_weights_are_held_as_xla_holds_them():
+  """XLA:CPU computes bfloat16 arithmetic in float32 and names neither copy of a value:
+  a conversion that several equations read is the value in another dtype. Of a value's
+  buffers, those held for at least half of its life make its size: a copy held to the
+  weight's gradient is more of the value, a float32 product that dies into its bfloat16
+  copy is no more of it. A copy of an argument held beside it is held like bytes made
+  from constants, until its last reader; a donated argument that only its copy reads
+  holds the copy in its own buffer (`values_in_hlo` on an XLA:CPU-style program)."""
+  from jaxremat._src import hlo_model
+
+  hlo = "\n".join(
+    [
+      "HloModule m, input_output_alias={ {0}: (2, {}, may-alias) }",
+      "",
+      "ENTRY %main (x: f32[8,128], w: bf16[128,128], v: f32[128,128]) -> bf16[128,128] {",
+      "  %x = f32[8,128]{1,0} parameter(0)",
+      "  %w = bf16[128,128]{1,0} parameter(1)",
+      "  %v = f32[128,128]{1,0} parameter(2)",
+      "  %wf = f32[128,128]{1,0} convert(%w)",
+      "  %vt = f32[128,128]{0,1} copy(%v)",
+      f"  %a = f32[8,128]{{1,0}} dot(%x, %wf), {scope(0, 'dot_general')}",
+      "  %ab = bf16[8,128]{1,0} convert(%a)",
+      f"  %n = f32[8,128]{{1,0}} negate(%a), {scope(1, 'neg')}",
+      f"  %t = bf16[8,128]{{1,0}} tanh(%ab), {scope(2, 'tanh')}",
+      "  %tf = f32[8,128]{1,0} convert(%t)",
+      f"  %b = f32[8,128]{{1,0}} dot(%tf, %vt), {scope(3, 'dot_general')}",
+      f"  %e = f32[8,128]{{1,0}} add(%b, %n), {scope(4, 'add')}",
+      f"  %g = f32[128,128]{{1,0}} dot(%tf, %e), {scope(5, 'dot_general')}",
+      f"  %m = bf16[8,128]{{1,0}} multiply(%t, %ab), {scope(6, 'mul')}",
+      f"  ROOT %u = bf16[128,128]{{1,0}} subtract(%w, %wf, %g, %m, %vt), {scope(7, 'sub')}",
+      "}",
+    ]
+  )
+  values = hlo_model.values_in_hlo(hlo, 3)
+  f32, bf16 = 8 * 128 * 4, 8 * 128 * 2
+  # The product's float32 result dies at once into the bfloat16 copy held to the end.
+  assert values.bytes[0] == bf16
+  # The tanh's float32 copy, read by the next product and the weight's gradient.
+  assert values.bytes[2] == bf16 + f32 and values.read_for[2] >= {3, 5, 6}
+  # The weight's float32 copy, held until its last reader; the donated argument's copy
+  # lives in the argument's buffer and is counted nowhere.
+  assert values.constants == {7: 128 * 128 * 4}
+  assert values.scratch == {}
 
 
 def test_zeros_that_a_fusion_makes_from_constants_are_held_until_their_last_reader():

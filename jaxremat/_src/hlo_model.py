@@ -41,6 +41,7 @@ from jaxremat._src.hlo_text import (
   COLLECTIVES,
   Buffer,
   Instruction,
+  aliased_parameters,
   buffers,
   collectives,
   computations,
@@ -77,7 +78,8 @@ class CompiledValues:
   position: dict[int, int]  # kept equation -> where the compiler's schedule first makes it
   argument_bytes: tuple[int, ...]  # per jaxpr input, as the compiled parameter holds it
   read_for: dict[int, set[int]]  # kept equation -> the others whose instructions read it
-  constants: dict[int, int]  # equation -> bytes made from constants at the start, held for it
+  constants: dict[int, int]  # equation -> bytes XLA makes once that no equation owns (from
+  # constants, or copies of arguments), held from the start until it runs
   hoisted: frozenset[int]  # equations whose output buffer XLA makes at the start
   # kept equation -> equations of later instructions that compute it again from its
   # operands instead of reading its buffer
@@ -212,12 +214,15 @@ def values_in_hlo(
   gradient's zeros; on XLA:GPU the zeros of every ReLU's gradient, a second output of the
   forward ReLU's fusion), is no equation's value: XLA makes it once, wherever a plan
   remakes its maker, and holds it for its last reader, or it is the output of the one
-  reader that updates it in place. Other unnamed buffers read by several equations are
-  left out: their lifetimes are not known (XLA:CPU drops the names of bfloat16
-  arithmetic). A buffer that an inner step of its equation's lowering makes, smaller than
-  one device's share of every output of the equation (``equations``: per scoped
-  equation, its primitive and the elements of its smallest output), is no value of it
-  and named after no equation.
+  reader that updates it in place. An unnamed conversion that several equations read
+  holds a value in another dtype or layout (XLA:CPU computes bfloat16 arithmetic in
+  float32 and names neither copy): of a value's buffers, those held for at least half of
+  its life make its size; a copy of an argument held beside it across other equations'
+  work is held like the buffers made from constants. Other unnamed buffers read by
+  several equations are left out: their lifetimes are not known. A buffer that an inner
+  step of its equation's lowering makes, smaller than one device's share of every output
+  of the equation (``equations``: per scoped equation, its primitive and the elements of
+  its smallest output), is no value of it and named after no equation.
   """
   equations = equations or {}
   parts = partitions(hlo)
@@ -244,6 +249,9 @@ def values_in_hlo(
   outputs: set[tuple[str, int]] = set()
   in_place: dict[str, int] = {}  # instruction that updates an operand's buffer -> its bytes
   constant_names: set[str] = set()
+  argument_reads: dict[str, int] = {}  # argument -> its readers
+  donated: set[str] = set()  # arguments whose buffers outputs are written into
+  aliased = aliased_parameters(hlo)
   from_constants: dict[str, set[int]] = {}  # instruction -> its outputs made from constants
   reducing: set[str] = set()  # instructions that reduce (`_REDUCING`)
   conversions: dict[str, str] = {}  # instruction that only converts -> its one operand
@@ -252,6 +260,10 @@ def values_in_hlo(
     name, operands = instruction.name, instruction.operands
     if instruction.opcode in ("parameter", "constant"):
       elements[name] = []
+      if instruction.opcode == "parameter":
+        argument_reads[name] = 0
+        if int(_PARAMETER.search(instruction.line).group(1)) in aliased:
+          donated.add(name)
       if instruction.opcode == "constant":
         constant_names.add(name)
     elif instruction.opcode in ("bitcast", "tuple"):
@@ -301,6 +313,8 @@ def values_in_hlo(
       elif instruction.opcode == "fusion" and body:
         from_constants[name] = _constant_outputs(body)
       for o in operands:
+        if o in argument_reads:
+          argument_reads[o] += 1
         for b in elements.get(o, []):
           read_by.setdefault(b, []).append(name)
           last_read[b] = at
@@ -356,17 +370,23 @@ def values_in_hlo(
       return (roots[:1] + [None] * (len(sizes_of) - 1))[: len(sizes_of)]
     return roots
 
+  def converts(name: str) -> int | None:
+    """The equation whose value unnamed conversion ``name`` holds in another dtype or
+    layout, if it converts one."""
+    source = elements.get(conversions[name], []) if own[name] is None else []
+    if len(source) != 1 or source[0][0] not in roots_of:
+      return None
+    maker, j = source[0]
+    return None if j in from_constants.get(maker, ()) else output_roots(maker)[j]
+
   # A value that only an unnamed conversion reads is held as that conversion makes it:
   # XLA:CPU computes a bfloat16 product in float32 and converts it for storage.
   converted: set[tuple[str, int]] = set()
+  dropped: set[tuple[str, int]] = set()  # buffers a conversion's copy stands for
   for name, operand in conversions.items():
-    source = elements.get(operand, [])
-    if own[name] is None and len(source) == 1 and read_by[source[0]] == [name]:
-      maker, j = source[0]
-      k = output_roots(maker)[j] if maker in roots_of else None
-      if k is not None and j not in from_constants.get(maker, ()):
-        roots_of[name], own[name] = [k], k
-        converted.add(source[0])
+    if (k := converts(name)) is not None and read_by[elements[operand][0]] == [name]:
+      roots_of[name], own[name] = [k], k
+      converted.add(elements[operand][0])
   # The buffers each equation has yet to make: XLA:CPU may make a value twice, once in
   # the layout of the one product that reads it next (the Equinox step's attention).
   to_come = collections.Counter(k for name in roots_of for k in output_roots(name))
@@ -417,6 +437,37 @@ def values_in_hlo(
         read_for.setdefault(k, set()).update(readers - {k, None})
         continue
       holder = owner if k is None else k
+      if holder is None and reader is None and instruction.name in conversions:
+        # An unnamed conversion that several equations read: the value, or an argument,
+        # in another dtype or layout (XLA:CPU's float32 copies of bfloat16 activations
+        # and weights, for the next product and for the weight's gradient).
+        source, operand = converts(instruction.name), conversions[instruction.name]
+        if source in sizes:
+          # The value's one size is that of its buffers XLA holds for at least half of
+          # the value's life (a product's float32 result that dies into its bfloat16
+          # copy is no more of it; a copy that dies in the forward pass neither).
+          (original,) = elements[operand]
+          start, dies = position[source], last_read.get(original, at)
+          life = max(end, dies) - start
+          if 2 * (end - at) >= life:
+            sizes[source] += size
+            read_for[source].update(readers - {source, None})
+          first = entry.instructions[start].name == original[0]
+          if first and 2 * (dies - start) < life and original not in dropped:
+            dropped.add(original)
+            sizes[source] -= held[original[0]][original[1]]
+          continue
+        copied = operand in donated and argument_reads[operand] == 1
+        if (
+          operand in argument_reads
+          and not copied
+          and not _own_step(entry.instructions, roots_of, readers - {None}, at, end)
+        ):
+          # A copy held beside its argument across others' work: XLA makes it once,
+          # wherever a plan moves its readers. (A donated argument that only its copy
+          # reads holds the copy in its own buffer: the Equinox step's weights.)
+          early.append((size, end, False))
+          continue
       if not readers:
         if holder is not None:  # what the instruction works in, read by nothing after it
           scratch[holder] = scratch.get(holder, 0) + size

@@ -26,6 +26,8 @@ _BITS = re.compile(r"^[a-z]+?(\d+)")
 _TILES = re.compile(r"T((?:\([\d,]+\))+)")
 _HEADER = re.compile(r"^(ENTRY )?%([\w.-]+) ")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
+# One entry of a module's input_output_alias: the output's index, then its parameter's.
+_ALIAS = re.compile(r"\{[\d,\s]*\}:\s*\((\d+),")
 _CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 # Library calls that stand for an HLO opcode: XLA:GPU runs convolutions through cuDNN and
@@ -158,6 +160,12 @@ def partitions(hlo_text: str) -> int:
   """How many devices the module is one part of (its ``num_partitions``; 1 unpartitioned)."""
   found = _PARTITIONS.search(hlo_text)
   return int(found.group(1)) if found else 1
+
+
+def aliased_parameters(hlo_text: str) -> set[int]:
+  """The parameters whose buffers the module writes outputs into (donated arguments)."""
+  header = next((line for line in hlo_text.splitlines() if line.startswith("HloModule")), "")
+  return {int(p) for p in _ALIAS.findall(header)}
 
 
 def sent_bytes(hlo_text: str) -> int:

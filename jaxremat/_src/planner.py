@@ -550,8 +550,8 @@ _LOOPS = ("scan", "while")
 
 
 def constants_hint(graph: RematGraph, shortfall_bytes: int) -> str:
-  """A sentence on the bytes XLA makes from constants at the start of the step
-  (``constant_bytes``), where they exceed ``shortfall_bytes``, or "".
+  """A sentence on the bytes XLA makes once for the step, from constants or as copies of
+  its arguments (``constant_bytes``), where they exceed ``shortfall_bytes``, or "".
 
   No plan of the step's equations makes them later: on XLA:CPU a max pool's gradient
   selects by index arrays of the pool's input (4 int32 arrays for an NHWC input), all made
@@ -562,10 +562,10 @@ def constants_hint(graph: RematGraph, shortfall_bytes: int) -> str:
   if made_bytes <= shortfall_bytes:
     return ""
   return (
-    f" XLA makes {made_bytes} bytes from constants before the step's first equation (on "
-    "XLA:CPU, the index arrays a max pool's gradient selects by) and holds each until the "
-    "forward pass has read what it indexes; no plan makes them later, so the budget may "
-    "be out of reach for this step on this target."
+    f" XLA makes {made_bytes} bytes once that no plan of the step's equations moves (on "
+    "XLA:CPU, the index arrays a max pool's gradient selects by, made before the first "
+    "equation, and float32 copies of bfloat16 arguments) and holds each until its last "
+    "reader, so the budget may be out of reach for this step on this target."
   )
 
 
