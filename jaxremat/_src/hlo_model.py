@@ -249,9 +249,9 @@ def values_in_hlo(
   outputs: set[tuple[str, int]] = set()
   in_place: dict[str, int] = {}  # instruction that updates an operand's buffer -> its bytes
   constant_names: set[str] = set()
-  argument_reads: dict[str, int] = {}  # argument -> its readers
-  donated: set[str] = set()  # arguments whose buffers outputs are written into
-  aliased = aliased_parameters(hlo)
+  parameter_index: dict[str, int] = {}  # parameter instruction -> its number
+  argument_reads: collections.Counter[str] = collections.Counter()  # parameter -> readers
+  aliased = aliased_parameters(hlo)  # parameters whose buffers outputs are written into
   from_constants: dict[str, set[int]] = {}  # instruction -> its outputs made from constants
   reducing: set[str] = set()  # instructions that reduce (`_REDUCING`)
   conversions: dict[str, str] = {}  # instruction that only converts -> its one operand
@@ -261,9 +261,7 @@ def values_in_hlo(
     if instruction.opcode in ("parameter", "constant"):
       elements[name] = []
       if instruction.opcode == "parameter":
-        argument_reads[name] = 0
-        if int(_PARAMETER.search(instruction.line).group(1)) in aliased:
-          donated.add(name)
+        parameter_index[name] = int(_PARAMETER.search(instruction.line).group(1))
       if instruction.opcode == "constant":
         constant_names.add(name)
     elif instruction.opcode in ("bitcast", "tuple"):
@@ -313,7 +311,7 @@ def values_in_hlo(
       elif instruction.opcode == "fusion" and body:
         from_constants[name] = _constant_outputs(body)
       for o in operands:
-        if o in argument_reads:
+        if o in parameter_index:
           argument_reads[o] += 1
         for b in elements.get(o, []):
           read_by.setdefault(b, []).append(name)
@@ -392,7 +390,7 @@ def values_in_hlo(
   to_come = collections.Counter(k for name in roots_of for k in output_roots(name))
   for at, instruction in enumerate(entry.instructions):
     if instruction.opcode == "parameter":
-      index = int(_PARAMETER.search(instruction.line).group(1))
+      index = parameter_index[instruction.name]
       if index < n_arguments:
         arguments[index] = sum(b.bytes for b in buffers(instruction.shape))
       continue
@@ -457,9 +455,9 @@ def values_in_hlo(
             dropped.add(original)
             sizes[source] -= held[original[0]][original[1]]
           continue
-        copied = operand in donated and argument_reads[operand] == 1
+        copied = parameter_index.get(operand) in aliased and argument_reads[operand] == 1
         if (
-          operand in argument_reads
+          operand in parameter_index
           and not copied
           and not _own_step(entry.instructions, roots_of, readers - {None}, at, end)
         ):
