@@ -45,6 +45,7 @@ from jaxremat._src.hlo_text import (
   buffers,
   collectives,
   computations,
+  memory_space,
   partitions,
 )
 from jaxremat._src.measure import Measurement, measure
@@ -218,11 +219,15 @@ def values_in_hlo(
   holds a value in another dtype or layout (XLA:CPU computes bfloat16 arithmetic in
   float32 and names neither copy): of a value's buffers, those held for at least half of
   its life make its size; a copy of an argument held beside it across other equations'
-  work is held like the buffers made from constants. Other unnamed buffers read by
-  several equations are left out: their lifetimes are not known. A buffer that an inner
-  step of its equation's lowering makes, smaller than one device's share of every output
-  of the equation (``equations``: per scoped equation, its primitive and the elements of
-  its smallest output), is no value of it and named after no equation.
+  work is held like the buffers made from constants, and so is one into another memory
+  space (XLA:TPU's prefetch of a weight into VMEM, held there for the backward pass). An
+  unnamed fusion that computes, from the step's values, one equation that no instruction
+  keeps holds that equation's value in another form (XLA:TPU's ReLU masks, packed).
+  Other unnamed buffers read by several equations are left out: their lifetimes are not
+  known. A buffer that an inner step of its equation's lowering makes, smaller than one
+  device's share of every output of the equation (``equations``: per scoped equation, its
+  primitive and the elements of its smallest output), is no value of it and named after
+  no equation.
   """
   equations = equations or {}
   parts = partitions(hlo)
@@ -255,7 +260,9 @@ def values_in_hlo(
   from_constants: dict[str, set[int]] = {}  # instruction -> its outputs made from constants
   reducing: set[str] = set()  # instructions that reduce (`_REDUCING`)
   conversions: dict[str, str] = {}  # instruction that only converts -> its one operand
+  moves: dict[str, str] = {}  # unnamed instruction that moves (part of) one argument -> it
   inside: dict[str, set[int]] = {}  # fusion -> the equations its body computes
+  by_name = {i.name: i for i in entry.instructions}
   for at, instruction in enumerate(entry.instructions):
     name, operands = instruction.name, instruction.operands
     if instruction.opcode in ("parameter", "constant"):
@@ -302,6 +309,14 @@ def values_in_hlo(
         elements[name] = list(elements.get(operands[0], []))
       if len(operands) == 1 and all(i.opcode in _CONVERTING for i in body or [instruction]):
         conversions[name] = operands[0]
+      sources = {o if o in parameter_index else moves.get(o) for o in operands}
+      if (
+        instruction.opcode != "fusion"
+        and own[name] is None
+        and len(sources) == 1
+        and None not in sources
+      ):
+        moves[name] = sources.pop()
       if next((i for i in body if i.is_root), instruction).opcode in _IN_PLACE:
         in_place[name] = sum(sizes_of)
       if any(i.opcode in _REDUCING for i in body or [instruction]):
@@ -318,7 +333,36 @@ def values_in_hlo(
           last_read[b] = at
     if instruction.is_root:
       outputs.update(elements[name])
+  # An argument moved into another memory space, whole (``copy-start``/``copy-done``) or
+  # in slices put together there: XLA:TPU prefetches a weight into VMEM for its product
+  # and may hold it there for the backward pass. The copy that equations read is one of
+  # the argument.
+  for name, argument in moves.items():
+    onward = any(r in moves for b in elements[name] for r in read_by.get(b, []))
+    moved = memory_space(by_name[name].shape) != memory_space(by_name[argument].shape)
+    if moved and not onward:
+      conversions[name] = argument
 
+  def argument(name: str) -> bool:
+    """Whether ``name`` is an argument, or a copy or conversion of one."""
+    while name in conversions:
+      name = conversions[name]
+    return name in parameter_index or name in moves
+
+  # An unnamed fusion of one output that computes, from the step's values, one equation
+  # that no instruction keeps holds that equation's value in another form: XLA:TPU packs a
+  # ReLU's mask 32 to a word in the forward pass and unpacks it in the backward one, where
+  # the mask's operand, the convolution's output, is long gone (the U-Net example: 128
+  # KiB, not 4 MiB, held). (From an argument it is a copy of the argument: XLA:CPU's
+  # reversed convolution kernels for the backward pass stay their readers' scratch.)
+  rooted = {k for roots in roots_of.values() for k in roots}
+  for name in roots_of:
+    computes = inside.get(name, set())
+    unnamed = own[name] is None and not from_constants.get(name)
+    if unnamed and len(held[name]) == len(computes) == 1 and not computes & rooted:
+      if not any(map(argument, by_name[name].operands)):
+        (k,) = computes
+        roots_of[name], own[name] = [k], k
   named: dict[str, frozenset[int | None]] = {}  # instruction -> the equations it serves
 
   def readers_of(b: tuple[str, int]) -> frozenset[int | None]:
@@ -388,6 +432,7 @@ def values_in_hlo(
   # The buffers each equation has yet to make: XLA:CPU may make a value twice, once in
   # the layout of the one product that reads it next (the Equinox step's attention).
   to_come = collections.Counter(k for name in roots_of for k in output_roots(name))
+  relaid: set[int] = set()  # equations made so far only in their readers' layouts
   for at, instruction in enumerate(entry.instructions):
     if instruction.opcode == "parameter":
       index = parameter_index[instruction.name]
@@ -425,10 +470,14 @@ def values_in_hlo(
         # read (XLA:GPU's split-K partial products, summed by a reduction after them).
         scratch[k] = scratch.get(k, 0) + size
         continue
-      if k is not None and k not in sizes and to_come[k] and between(reader, at, end, k):
-        # The value in one reader's layout, made for it alone; the value is made later.
-        scratch[reader] = scratch.get(reader, 0) + size
-        continue
+      if k is not None and k not in sizes and between(reader, at, end, k):
+        if to_come[k] or k in relaid:
+          # The value in one reader's layout, made for it alone; the value is made later,
+          # or never but so (XLA:GPU pads a transposed convolution's input for it, and
+          # transposes it for the weight's gradient: the value is its operand's).
+          scratch[reader] = scratch.get(reader, 0) + size
+          relaid.add(k)
+          continue
       if k is not None and k not in sizes:
         sizes[k] = size
         position[k] = at
@@ -455,7 +504,11 @@ def values_in_hlo(
             dropped.add(original)
             sizes[source] -= held[original[0]][original[1]]
           continue
-        copied = parameter_index.get(operand) in aliased and argument_reads[operand] == 1
+        copied = (
+          parameter_index.get(operand) in aliased
+          and argument_reads[operand] == 1
+          and memory_space(instruction.shape) == memory_space(by_name[operand].shape)
+        )
         if (
           operand in parameter_index
           and not copied
@@ -463,7 +516,8 @@ def values_in_hlo(
         ):
           # A copy held beside its argument across others' work: XLA makes it once,
           # wherever a plan moves its readers. (A donated argument that only its copy
-          # reads holds the copy in its own buffer: the Equinox step's weights.)
+          # reads holds the copy in its own buffer, the Equinox step's weights, unless the
+          # copy is in another memory space: TPU's VMEM.)
           early.append((size, end, False))
           continue
       if not readers:

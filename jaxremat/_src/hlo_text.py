@@ -234,6 +234,19 @@ def buffers(shape: str) -> list[Buffer]:
   return [_buffer(*match.groups()) for match in _ARRAY.finditer(shape)]
 
 
+def memory_space(shape: str) -> int:
+  """The memory space of ``shape``'s first array: 0 for device memory, 1 for TPU's on-chip
+  VMEM (``S(1)`` in its layout).
+
+  Example:
+    >>> memory_space("f32[256,256]{1,0:T(8,128)S(1)}"), memory_space("f32[8]{0}")
+    (1, 0)
+  """
+  found = _ARRAY.search(shape)
+  space = re.search(r"S\((\d+)\)", (found.group(3) or "") if found else "")
+  return int(space.group(1)) if space else 0
+
+
 def _buffer(dtype: str, dims_text: str, layout: str | None) -> Buffer:
   dims = _parse_dims(dims_text)
   elements = math.prod(dims)

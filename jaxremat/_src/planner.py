@@ -564,8 +564,9 @@ def constants_hint(graph: RematGraph, shortfall_bytes: int) -> str:
   return (
     f" XLA makes {made_bytes} bytes once that no plan of the step's equations moves (on "
     "XLA:CPU, the index arrays a max pool's gradient selects by, made before the first "
-    "equation, and float32 copies of bfloat16 arguments) and holds each until its last "
-    "reader, so the budget may be out of reach for this step on this target."
+    "equation, and float32 copies of bfloat16 arguments; on TPU, the copies of weights "
+    "it prefetches into VMEM) and holds each until its last reader, so the budget may be "
+    "out of reach for this step on this target."
   )
 
 
