@@ -198,36 +198,37 @@ def values_in_hlo(
   equation's readers in the compiled program, which may be more than the jaxpr's (XLA
   recomputes cheap producers inside their readers' fusions). A buffer that is not an
   equation's first (an unnamed copy: a layout change, a transposed operand, XLA:CPU's
-  float32 for a bfloat16 value; or a second buffer under the same name) is scratch of
-  the one equation that reads it, where one does and nothing else runs in between; so is
-  an equation's first buffer where the equation makes another after it, in the layout of
-  the one reader that runs right after it (XLA:CPU computes a value that one product
-  reads transposed twice, once in that layout). One that its equation makes to hold
-  across other equations' work is more of that equation's value. One that a reduction
-  named after no equation makes and holds across other equations' work for its one
-  reader (XLA:GPU's argmax indices of a max pool, made in the forward pass for the
-  gradient's scatter) is held like the buffers made from constants below; an unnamed
-  copy in another layout held so (XLA:CPU's transposed activations for the backward
-  pass) stands for a value that the graph holds, and stays scratch. A named buffer that
-  only its own equation's next instructions read (split-K partial products) is that
-  equation's scratch. A buffer that nothing reads is its instruction's working memory. A
-  buffer made from constants alone, whichever instruction makes it (a max pool
-  gradient's zeros; on XLA:GPU the zeros of every ReLU's gradient, a second output of the
-  forward ReLU's fusion), is no equation's value: XLA makes it once, wherever a plan
-  remakes its maker, and holds it for its last reader, or it is the output of the one
-  reader that updates it in place. An unnamed conversion that several equations read
-  holds a value in another dtype or layout (XLA:CPU computes bfloat16 arithmetic in
-  float32 and names neither copy): of a value's buffers, those held for at least half of
-  its life make its size; a copy of an argument held beside it across other equations'
-  work is held like the buffers made from constants, and so is one into another memory
-  space (XLA:TPU's prefetch of a weight into VMEM, held there for the backward pass). An
-  unnamed fusion that computes, from the step's values, one equation that no instruction
-  keeps holds that equation's value in another form (XLA:TPU's ReLU masks, packed).
-  Other unnamed buffers read by several equations are left out: their lifetimes are not
-  known. A buffer that an inner step of its equation's lowering makes, smaller than one
-  device's share of every output of the equation (``equations``: per scoped equation, its
-  primitive and the elements of its smallest output), is no value of it and named after
-  no equation.
+  float32 for a bfloat16 value; or a second buffer under the same name) is scratch of the
+  one equation that reads it, where one does and nothing else runs in between; so is an
+  equation's first buffer where the equation makes another after it, in the layout of the
+  one reader that runs right after it (XLA:CPU computes a value that one product reads
+  transposed twice, once in that layout), and so is every buffer of an equation that makes
+  each only for the one reader right after it (XLA:GPU pads a transposed convolution's
+  input for it, and transposes it again for the weight's gradient). One that its equation
+  makes to hold across other equations' work is more of that equation's value. One that a
+  reduction named after no equation makes and holds across other equations' work for its
+  one reader (XLA:GPU's argmax indices of a max pool, made in the forward pass for the
+  gradient's scatter) is held like the buffers made from constants below; an unnamed copy
+  in another layout held so (XLA:CPU's transposed activations for the backward pass)
+  stands for a value that the graph holds, and stays scratch. A named buffer that only its
+  own equation's next instructions read (split-K partial products) is that equation's
+  scratch. A buffer that nothing reads is its instruction's working memory. A buffer made
+  from constants alone, whichever instruction makes it (a max pool gradient's zeros; on
+  XLA:GPU the zeros of every ReLU's gradient, a second output of the forward ReLU's
+  fusion), is no equation's value: XLA makes it once, wherever a plan remakes its maker,
+  and holds it for its last reader, or it is the output of the one reader that updates it
+  in place. An unnamed conversion that several equations read holds a value in another
+  dtype or layout (XLA:CPU computes bfloat16 arithmetic in float32 and names neither
+  copy): of a value's buffers, those held for at least half of its life make its size; a
+  copy of an argument held beside it across other equations' work is held like the buffers
+  made from constants, and so is one into another memory space (XLA:TPU's prefetch of a
+  weight into VMEM, held there for the backward pass). An unnamed fusion that computes,
+  from the step's values, one equation that no instruction keeps holds that equation's
+  value in another form (XLA:TPU's ReLU masks, packed). Other unnamed buffers read by
+  several equations are left out: their lifetimes are not known. A buffer that an inner
+  step of its equation's lowering makes, smaller than one device's share of every output
+  of the equation (``equations``: per scoped equation, its primitive and the elements of
+  its smallest output), is no value of it and named after no equation.
   """
   equations = equations or {}
   parts = partitions(hlo)
@@ -333,6 +334,7 @@ def values_in_hlo(
           last_read[b] = at
     if instruction.is_root:
       outputs.update(elements[name])
+
   # An argument moved into another memory space, whole (``copy-start``/``copy-done``) or
   # in slices put together there: XLA:TPU prefetches a weight into VMEM for its product
   # and may hold it there for the backward pass. The copy that equations read is one of
@@ -470,14 +472,14 @@ def values_in_hlo(
         # read (XLA:GPU's split-K partial products, summed by a reduction after them).
         scratch[k] = scratch.get(k, 0) + size
         continue
-      if k is not None and k not in sizes and between(reader, at, end, k):
-        if to_come[k] or k in relaid:
-          # The value in one reader's layout, made for it alone; the value is made later,
-          # or never but so (XLA:GPU pads a transposed convolution's input for it, and
-          # transposes it for the weight's gradient: the value is its operand's).
-          scratch[reader] = scratch.get(reader, 0) + size
-          relaid.add(k)
-          continue
+      made_later = k is not None and (to_come[k] or k in relaid)
+      if made_later and k not in sizes and between(reader, at, end, k):
+        # The value in one reader's layout, made for it alone; the value is made later,
+        # or never but so (XLA:GPU pads a transposed convolution's input for it, and
+        # transposes it for the weight's gradient: the value is its operand's).
+        scratch[reader] = scratch.get(reader, 0) + size
+        relaid.add(k)
+        continue
       if k is not None and k not in sizes:
         sizes[k] = size
         position[k] = at
