@@ -310,14 +310,9 @@ def values_in_hlo(
         elements[name] = list(elements.get(operands[0], []))
       if len(operands) == 1 and all(i.opcode in _CONVERTING for i in body or [instruction]):
         conversions[name] = operands[0]
-      sources = {o if o in parameter_index else moves.get(o) for o in operands}
-      if (
-        instruction.opcode != "fusion"
-        and own[name] is None
-        and len(sources) == 1
-        and None not in sources
-      ):
-        moves[name] = sources.pop()
+      (source, *others) = {o if o in parameter_index else moves.get(o) for o in operands} or {None}
+      if instruction.opcode != "fusion" and own[name] is None and source and not others:
+        moves[name] = source
       if next((i for i in body if i.is_root), instruction).opcode in _IN_PLACE:
         in_place[name] = sum(sizes_of)
       if any(i.opcode in _REDUCING for i in body or [instruction]):
@@ -339,11 +334,13 @@ def values_in_hlo(
   # in slices put together there: XLA:TPU prefetches a weight into VMEM for its product
   # and may hold it there for the backward pass. The copy that equations read is one of
   # the argument.
+  elsewhere: set[str] = set()  # those copies, which no argument's buffer can hold
   for name, argument in moves.items():
     onward = any(r in moves for b in elements[name] for r in read_by.get(b, []))
     moved = memory_space(by_name[name].shape) != memory_space(by_name[argument].shape)
     if moved and not onward:
       conversions[name] = argument
+      elsewhere.add(name)
 
   def argument(name: str) -> bool:
     """Whether ``name`` is an argument, or a copy or conversion of one."""
@@ -509,7 +506,7 @@ def values_in_hlo(
         copied = (
           parameter_index.get(operand) in aliased
           and argument_reads[operand] == 1
-          and memory_space(instruction.shape) == memory_space(by_name[operand].shape)
+          and instruction.name not in elsewhere
         )
         if (
           operand in parameter_index
