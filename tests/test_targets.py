@@ -1042,3 +1042,47 @@ def test_a_step_laid_out_on_host_devices_is_compiled_for_as_many_tpu_chips(tmp_p
   two, two_args, _ = sharded.sharded_train_step("gpt", "dp", host[:2], **sizes)
   with pytest.raises(ValueError, match="mesh of 2 devices"):
     jaxremat.measure(two, *two_args, runs=0, target="tpu-v5e")
+
+
+def lstm_loss(params, tokens):
+  """An unrolled LSTM language model: each step's loss reads the same output weight."""
+  batch, length = tokens.shape
+  h = c = jnp.zeros((batch, params["wh"].shape[0]))
+  total = 0.0
+  for t in range(length - 1):
+    z = params["emb"][tokens[:, t]] @ params["wx"] + h @ params["wh"]
+    i, f, g, o = jnp.split(z, 4, -1)
+    c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+    h = jax.nn.sigmoid(o) * jnp.tanh(c)
+    logits = jax.nn.log_softmax(h @ params["out"])
+    total = total - jnp.mean(jnp.take_along_axis(logits, tokens[:, t + 1, None], 1))
+  return total / (length - 1)
+
+
+def test_a_value_the_compiler_also_makes_inside_an_earlier_reader_runs_before_it():
+  """XLA:GPU makes each step's backward sum of an unrolled LSTM inside the fusion of an
+  early reader and keeps its own buffer of it only late, for the weight gradients it
+  merges; the compiler's order then has a reader before the value it reads. The graph's
+  order puts the value before every reader: taking it where the compiler keeps its buffer
+  pulled each step's 1.25 MiB weight gradient product into the forward pass: x1.35 of
+  XLA's peak on this 12-step LSTM (x1.07 now; a 16-step one x1.32, now x1.03)."""
+  from examples import _common
+  from jaxremat._src.xla_memory import xla_accounted_peak_bytes
+
+  target = needs("h100")
+  keys = iter(jax.random.split(jax.random.key(0), 5))
+  width, vocabulary = 256, 256
+  params = {
+    "emb": jax.random.normal(next(keys), (vocabulary, width)) * 0.05,
+    "wx": jax.random.normal(next(keys), (width, 4 * width)) * 0.05,
+    "wh": jax.random.normal(next(keys), (width, 4 * width)) * 0.05,
+    "out": jax.random.normal(next(keys), (width, vocabulary)) * 0.05,
+  }
+  tokens = jax.random.randint(next(keys), (32, 12), 0, vocabulary)
+  step, args = _common.make_train_step(lstm_loss, params, tokens)
+  program = jaxremat.trace_program(
+    step, *args, costs="shape", target=target, model="compiler", donate_argnums=(0, 1)
+  )
+  measured = program.baseline
+  predicted = xla_accounted_peak_bytes(program.graph, None, measured.alias_bytes)
+  assert abs(predicted - measured.peak_bytes) <= 0.10 * measured.peak_bytes

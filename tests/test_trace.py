@@ -15,7 +15,7 @@ import jaxremat
 from jaxremat._src import compat
 from jaxremat._src.demo import make_mlp_step
 from jaxremat._src.emit import inlined_reads
-from jaxremat._src.program import build_program
+from jaxremat._src.program import _give_way, build_program
 from jaxremat._src.simulate import simulate
 from jaxremat._src.xla_memory import device_peak_bytes, live_bytes_within, xla_accounted_peak_bytes
 
@@ -1332,3 +1332,25 @@ def test_a_tpu_peak_leaves_out_what_vmem_holds_and_its_inverse_is_exact():
   for figure in range(10, 400):
     live = live_bytes_within(figure, 10, 100)
     assert device_peak_bytes(live, 10, 100) <= figure < device_peak_bytes(live + 1, 10, 100)
+
+
+def test_a_value_keyed_after_a_reader_gives_way_where_fewer_nodes_move():
+  """The compiler's positions put a value after one of its readers: the side that moves
+  fewer nodes gives way, so that neither holds back the nodes keyed between them."""
+
+  def keys(key, edges):
+    readers, producers = [[] for _ in key], [[] for _ in key]
+    for u, w in edges:
+      readers[u].append(w)
+      producers[w].append(u)
+    key = list(key)
+    _give_way(key, readers, producers)
+    assert all(key[u] <= key[w] for u, w in edges)
+    return key
+
+  # Node 1 (made at 50) is read by 2 (at 10), which a chain 2 -> 3 -> 4 reads on: node 1
+  # alone moves up to 10 (an LSTM's backward sum, computed again inside an early fusion).
+  assert keys([0, 50, 10, 11, 12], [(0, 1), (1, 2), (2, 3), (3, 4)]) == [0, 10, 10, 11, 12]
+  # Node 4 (made at 5) reads 3 (at 30), made from a chain 0 -> 1 -> 2 -> 3: node 4 alone
+  # moves down to 30 (a loss's gather that XLA:TPU starts before the logits).
+  assert keys([10, 20, 25, 30, 5], [(0, 1), (1, 2), (2, 3), (3, 4)]) == [10, 20, 25, 30, 30]

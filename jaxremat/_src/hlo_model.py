@@ -45,7 +45,6 @@ from jaxremat._src.hlo_text import (
   buffers,
   collectives,
   computations,
-  memory_space,
   partitions,
 )
 from jaxremat._src.measure import Measurement, measure
@@ -330,6 +329,9 @@ def values_in_hlo(
     if instruction.is_root:
       outputs.update(elements[name])
 
+  def space_of(name: str) -> int:
+    return buffers(by_name[name].shape)[0].space
+
   # An argument moved into another memory space, whole (``copy-start``/``copy-done``) or
   # in slices put together there: XLA:TPU prefetches a weight into VMEM for its product
   # and may hold it there for the backward pass. The copy that equations read is one of
@@ -337,7 +339,7 @@ def values_in_hlo(
   elsewhere: set[str] = set()  # those copies, which no argument's buffer can hold
   for name, argument in moves.items():
     onward = any(r in moves for b in elements[name] for r in read_by.get(b, []))
-    moved = memory_space(by_name[name].shape) != memory_space(by_name[argument].shape)
+    moved = space_of(name) != space_of(argument)
     if moved and not onward:
       conversions[name] = argument
       elsewhere.add(name)

@@ -217,6 +217,7 @@ class Buffer:
   dtype: str
   bytes: int  # with the layout's tile padding
   elements: int  # without it
+  space: int = 0  # memory space: 0 device memory, 1 TPU's on-chip VMEM (``S(1)``)
 
 
 def buffers(shape: str) -> list[Buffer]:
@@ -224,33 +225,20 @@ def buffers(shape: str) -> list[Buffer]:
 
   A tiled layout (TPU: ``{1,0:T(8,128)(2,1)}``) pads the minor dimensions, in layout order,
   to multiples of its first tile; ``E(bits)`` overrides the element size. The memory space
-  (``S(1)``, TPU's on-chip memory) is left out: TPU's `memory_analysis` peak counts those
-  buffers too (measured: the MLP example's step on TPU v5e).
+  (``S(1)``, TPU's on-chip memory) does not change the size: TPU's `memory_analysis` peak
+  counts those buffers too (measured: the MLP example's step on TPU v5e).
 
   Example:
-    >>> buffers("(bf16[30,100]{1,0:T(8,128)(2,1)}, u8[64]{0})")
-    [Buffer(dtype='bf16', bytes=8192, elements=3000), Buffer(dtype='u8', bytes=64, elements=64)]
+    >>> buffers("(bf16[30,100]{1,0:T(8,128)(2,1)}, u8[64]{0:S(1)})")
+    [Buffer(dtype='bf16', bytes=8192, elements=3000, space=0), Buffer(dtype='u8', bytes=64, elements=64, space=1)]
   """
   return [_buffer(*match.groups()) for match in _ARRAY.finditer(shape)]
-
-
-def memory_space(shape: str) -> int:
-  """The memory space of ``shape``'s first array: 0 for device memory, 1 for TPU's on-chip
-  VMEM (``S(1)`` in its layout).
-
-  Example:
-    >>> memory_space("f32[256,256]{1,0:T(8,128)S(1)}"), memory_space("f32[8]{0}")
-    (1, 0)
-  """
-  found = _ARRAY.search(shape)
-  space = re.search(r"S\((\d+)\)", (found.group(3) or "") if found else "")
-  return int(space.group(1)) if space else 0
 
 
 def _buffer(dtype: str, dims_text: str, layout: str | None) -> Buffer:
   dims = _parse_dims(dims_text)
   elements = math.prod(dims)
-  bits = _element_bits(dtype)
+  bits, space = _element_bits(dtype), 0
   if layout:
     order, _, attributes = layout.partition(":")
     minor_to_major = [int(d) for d in order.split(",") if d.strip()]
@@ -263,7 +251,9 @@ def _buffer(dtype: str, dims_text: str, layout: str | None) -> Buffer:
         dims[j] = -(-dims[j] // t) * t
     if element := re.search(r"E\((\d+)\)", attributes):
       bits = int(element.group(1))
-  return Buffer(dtype, -(-math.prod(dims) * bits // 8), elements)
+    if memory := re.search(r"S\((\d+)\)", attributes):
+      space = int(memory.group(1))
+  return Buffer(dtype, -(-math.prod(dims) * bits // 8), elements, space)
 
 
 def _element_bits(dtype: str) -> int:
