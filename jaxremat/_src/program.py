@@ -441,10 +441,7 @@ def _compiled_order(
   compiler's). A node the compiler keeps no buffer for goes right before its first reader;
   one that nothing kept reads (an output the compiler computes inside another
   instruction) right after its operands, not at the end, holding them all along.
-
-  Where the compiler makes a value after a reader (it computes the value again inside the
-  reader's fusion, or makes part of the reader's work early), one of the two positions
-  gives way: the one that moves fewer nodes (`_give_way`).
+  Where the compiler makes a value after one of its readers, `_give_way` mends the keys.
   """
   readers: list[list[int]] = [[] for _ in range(n)]
   producers: list[list[int]] = [[] for _ in range(n)]
