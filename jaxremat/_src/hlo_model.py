@@ -332,6 +332,12 @@ def values_in_hlo(
   def space_of(name: str) -> int:
     return buffers(by_name[name].shape)[0].space
 
+  def copied_out(name: str) -> bool:
+    """Whether unnamed ``name`` copies what it reads into the step's outputs."""
+    return own[name] is None and any(
+      b in outputs or any(map(copied_out, read_by.get(b, []))) for b in elements[name]
+    )
+
   # An argument moved into another memory space, whole (``copy-start``/``copy-done``) or
   # in slices put together there: XLA:TPU prefetches a weight into VMEM for its product
   # and may hold it there for the backward pass. The copy that equations read is one of
@@ -444,6 +450,14 @@ def values_in_hlo(
       continue
     sizes_of, roots = held[instruction.name], output_roots(instruction.name)
     owner = own[instruction.name]
+    # Outputs of the step made on chip and copied to their output buffers after (XLA:TPU
+    # makes each weight's optimizer update in VMEM): while the instruction runs, those
+    # buffers are there beside the outputs, for each equation it makes.
+    staged = sum(
+      size
+      for j, (size, made) in enumerate(zip(sizes_of, buffers(instruction.shape)))
+      if made.space and any(map(copied_out, read_by.get((instruction.name, j), [])))
+    )
     for j, (k, size) in enumerate(zip(roots, sizes_of)):
       b = (instruction.name, j)
       readers, end = readers_of(b), last_read.get(b, at)
@@ -483,6 +497,8 @@ def values_in_hlo(
         sizes[k] = size
         position[k] = at
         read_for.setdefault(k, set()).update(readers - {k, None})
+        if staged:
+          scratch[k] = scratch.get(k, 0) + staged
         continue
       holder = owner if k is None else k
       if holder is None and reader is None and instruction.name in conversions:
