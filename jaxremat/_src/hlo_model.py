@@ -263,6 +263,7 @@ def values_in_hlo(
   moves: dict[str, str] = {}  # unnamed instruction that moves (part of) one argument -> it
   inside: dict[str, set[int]] = {}  # fusion -> the equations its body computes
   by_name = {i.name: i for i in entry.instructions}
+  index_of = {i.name: at for at, i in enumerate(entry.instructions)}
   for at, instruction in enumerate(entry.instructions):
     name, operands = instruction.name, instruction.operands
     if instruction.opcode in ("parameter", "constant"):
@@ -331,6 +332,10 @@ def values_in_hlo(
 
   def space_of(name: str) -> int:
     return buffers(by_name[name].shape)[0].space
+
+  def started(name: str) -> int:
+    """Where the first instruction of the moves that make ``name`` runs."""
+    return min([index_of[name]] + [started(o) for o in by_name[name].operands if o in moves])
 
   def copied_out(name: str) -> bool:
     """Whether unnamed ``name`` copies what it reads into the step's outputs."""
@@ -553,6 +558,13 @@ def values_in_hlo(
       elif reader is not None and (holder not in sizes or between(reader, at, end)):
         if not updated(b, size):  # else it is its reader's output
           scratch[reader] = scratch.get(reader, 0) + size
+        if instruction.name in elsewhere:
+          # An argument prefetched for its reader from where the move started: XLA:TPU
+          # moves the moments of later optimizer updates into VMEM during the first.
+          since = started(instruction.name)
+          for meanwhile, made_at in position.items():
+            if since <= made_at < at:
+              scratch[meanwhile] = scratch.get(meanwhile, 0) + size
       elif holder in sizes:
         # A collective's result replaces its operands of the same value that die there
         # (a gradient's partial sums, all-reduced): both are not held at once for long.
