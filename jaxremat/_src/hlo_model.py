@@ -390,7 +390,7 @@ def values_in_hlo(
     return named[name]
 
   sizes: dict[int, int] = {}
-  scratch: dict[int, int] = {}
+  scratch: collections.Counter[int] = collections.Counter()
   position: dict[int, int] = {}
   read_for: dict[int, set[int]] = {}
   constants: dict[int, int] = {}
@@ -473,7 +473,7 @@ def values_in_hlo(
         reader = None
       to_come[k] -= 1
       if b in converted:  # the equation's result before it is stored
-        scratch[k] = scratch.get(k, 0) + size
+        scratch[k] += size
         continue
       if j in from_constants.get(instruction.name, ()) and readers - {None}:
         # Zeros or indices made from constants alone: held for their last reader.
@@ -488,14 +488,14 @@ def values_in_hlo(
         # its product), wherever the schedule puts it, is scratch of that equation too.
         # A step of its own equation's work that only the equation's next instructions
         # read (XLA:GPU's split-K partial products, summed by a reduction after them).
-        scratch[k] = scratch.get(k, 0) + size
+        scratch[k] += size
         continue
       made_later = k is not None and (to_come[k] or k in relaid)
       if made_later and k not in sizes and between(reader, at, end, k):
         # The value in one reader's layout, made for it alone; the value is made later,
         # or never but so (XLA:GPU pads a transposed convolution's input for it, and
         # transposes it for the weight's gradient: the value is its operand's).
-        scratch[reader] = scratch.get(reader, 0) + size
+        scratch[reader] += size
         relaid.add(k)
         continue
       if k is not None and k not in sizes:
@@ -503,7 +503,7 @@ def values_in_hlo(
         position[k] = at
         read_for.setdefault(k, set()).update(readers - {k, None})
         if staged:
-          scratch[k] = scratch.get(k, 0) + staged
+          scratch[k] += staged
         continue
       holder = owner if k is None else k
       if holder is None and reader is None and instruction.name in conversions:
@@ -544,7 +544,7 @@ def values_in_hlo(
           continue
       if not readers:
         if holder is not None:  # what the instruction works in, read by nothing after it
-          scratch[holder] = scratch.get(holder, 0) + size
+          scratch[holder] += size
       elif (
         reader is not None
         and holder is None
@@ -557,14 +557,14 @@ def values_in_hlo(
         early.append((size, end, False))
       elif reader is not None and (holder not in sizes or between(reader, at, end)):
         if not updated(b, size):  # else it is its reader's output
-          scratch[reader] = scratch.get(reader, 0) + size
+          scratch[reader] += size
         if instruction.name in elsewhere:
           # An argument prefetched for its reader from where the move started: XLA:TPU
           # moves the moments of later optimizer updates into VMEM during the first.
           since = started(instruction.name)
           for meanwhile, made_at in position.items():
             if since <= made_at < at:
-              scratch[meanwhile] = scratch.get(meanwhile, 0) + size
+              scratch[meanwhile] += size
       elif holder in sizes:
         # A collective's result replaces its operands of the same value that die there
         # (a gradient's partial sums, all-reduced): both are not held at once for long.
