@@ -223,7 +223,10 @@ def values_in_hlo(
   made from constants, and so is one into another memory space (XLA:TPU's prefetch of a
   weight into VMEM, held there for the backward pass). An unnamed fusion that computes,
   from the step's values, one equation that no instruction keeps holds that equation's
-  value in another form (XLA:TPU's ReLU masks, packed). Other unnamed buffers read by
+  value in another form (XLA:TPU's ReLU masks, packed). Outputs of the step made on chip
+  and copied out after (XLA:TPU's optimizer updates) are scratch of each equation their
+  instruction makes, and a copy of an argument on its way into another memory space is
+  scratch of each equation made meanwhile. Other unnamed buffers read by
   several equations are left out: their lifetimes are not known. A buffer that an inner
   step of its equation's lowering makes, smaller than one device's share of every output
   of the equation (``equations``: per scoped equation, its primitive and the elements of
@@ -248,6 +251,7 @@ def values_in_hlo(
   roots_of: dict[str, list[int | None]] = {}  # instruction -> the equation of each output
   own: dict[str, int | None] = {}  # instruction -> the equation it runs for, if named
   held: dict[str, list[int]] = {}  # instruction -> the bytes of each of its buffers
+  spaces: dict[str, list[int]] = {}  # instruction -> the memory space of each buffer
   elements: dict[str, list[tuple[str, int]]] = {}  # name -> the buffers its value is
   read_by: dict[tuple[str, int], list[str]] = {}  # buffer -> the instructions reading it
   last_read: dict[tuple[str, int], int] = {}  # buffer -> where its last reader runs
@@ -270,6 +274,7 @@ def values_in_hlo(
       elements[name] = []
       if instruction.opcode == "parameter":
         parameter_index[name] = int(_PARAMETER.search(instruction.line).group(1))
+        spaces[name] = [b.space for b in buffers(instruction.shape)]
       if instruction.opcode == "constant":
         constant_names.add(name)
     elif instruction.opcode in ("bitcast", "tuple"):
@@ -285,6 +290,7 @@ def values_in_hlo(
       )
       made = buffers(instruction.shape)
       sizes_of = [b.bytes for b in made]
+      spaces[name] = [b.space for b in made]
       holders: list[Instruction | None] = [instruction]
       roots = [_scope(instruction.line)]
       if instruction.opcode == "fusion" and body:
@@ -330,9 +336,6 @@ def values_in_hlo(
     if instruction.is_root:
       outputs.update(elements[name])
 
-  def space_of(name: str) -> int:
-    return buffers(by_name[name].shape)[0].space
-
   def started(name: str) -> int:
     """Where the first instruction of the moves that make ``name`` runs."""
     return min([index_of[name]] + [started(o) for o in by_name[name].operands if o in moves])
@@ -350,7 +353,7 @@ def values_in_hlo(
   elsewhere: set[str] = set()  # those copies, which no argument's buffer can hold
   for name, argument in moves.items():
     onward = any(r in moves for b in elements[name] for r in read_by.get(b, []))
-    moved = space_of(name) != space_of(argument)
+    moved = spaces[name][:1] != spaces[argument][:1]
     if moved and not onward:
       conversions[name] = argument
       elsewhere.add(name)
@@ -460,8 +463,8 @@ def values_in_hlo(
     # buffers are there beside the outputs, for each equation it makes.
     staged = sum(
       size
-      for j, (size, made) in enumerate(zip(sizes_of, buffers(instruction.shape)))
-      if made.space and any(map(copied_out, read_by.get((instruction.name, j), [])))
+      for j, (size, space) in enumerate(zip(sizes_of, spaces[instruction.name]))
+      if space and any(map(copied_out, read_by.get((instruction.name, j), [])))
     )
     for j, (k, size) in enumerate(zip(roots, sizes_of)):
       b = (instruction.name, j)
