@@ -509,6 +509,52 @@ def test_optimizer_updates_and_the_moments_prefetched_for_them_are_held_in_vmem(
   assert abs(predicted - measured.peak_bytes) <= 0.02 * measured.peak_bytes
 
 
+def graph_network_loss(params, batch):
+  """Message passing: each layer gathers node states along the edges and sums the
+  messages into their destinations."""
+  x, src, dst, y = batch
+  h = x @ params[0]
+  for msg, upd in params[1:]:
+    m = jax.nn.relu(h[src] @ msg)
+    agg = jax.ops.segment_sum(m, dst, num_segments=h.shape[0])
+    h = h + jax.nn.silu(jnp.concatenate([h, agg], -1) @ upd)
+  return jnp.mean((h - y) ** 2)
+
+
+def test_a_program_that_evicts_from_vmem_is_planned_with_the_vmem_it_got():
+  """XLA:TPU kept at most 57.2 MiB of a graph network's step in VMEM (at 3 to 8 layers;
+  here 4 layers, 2048 nodes, 16384 edges, width 128), where the target's probe keeps 108
+  MiB, and evicted the rest to device memory: its figure, the arguments plus the larger
+  of what each memory held, is read with the VMEM the compiled baseline kept. With the
+  target's: x1.195 of the compiler's peak."""
+  from examples import _common
+  from jaxremat._src.xla_memory import xla_accounted_peak_bytes
+
+  target = needs("tpu-v5e")
+  keys = jax.random.split(jax.random.key(0), 12)
+  width, nodes, edges = 128, 2048, 16384
+  params = [jax.random.normal(keys[0], (32, width)) * 0.1] + [
+    (
+      jax.random.normal(keys[2 * i + 1], (width, width)) * 0.05,
+      jax.random.normal(keys[2 * i + 2], (2 * width, width)) * 0.05,
+    )
+    for i in range(4)
+  ]
+  x = jax.random.normal(keys[9], (nodes, 32))
+  src, dst = (jax.random.randint(k, (edges,), 0, nodes) for k in keys[10:12])
+  y = jnp.zeros((nodes, width))
+  step, args = _common.make_train_step(graph_network_loss, params, (x, src, dst, y))
+  program = jaxremat.trace_program(
+    step, *args, costs="shape", target=target, model="compiler", donate_argnums=(0, 1)
+  )
+  on_chip = program.graph.meta["on_chip_bytes"]
+  assert 0 < on_chip < 0.75 * target.on_chip_bytes()
+  measured = program.baseline
+  predicted = xla_accounted_peak_bytes(program.graph, None, measured.alias_bytes)
+  assert measured.peak_bytes - measured.argument_bytes == pytest.approx(on_chip, rel=0.02)
+  assert abs(predicted - measured.peak_bytes) <= 0.02 * measured.peak_bytes
+
+
 def max_pool(x):
   return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
 
@@ -880,7 +926,8 @@ def test_past_vmem_the_tpu_model_counts_only_what_lives_beyond_it():
   """TPU keeps up to its on-chip memory's worth of temporaries in VMEM, and its peak
   charges device memory with the rest. The MLP example at batch 16384 holds about 300 MiB
   of temporaries at once: counting them all the model read x1.5 of the TPU v5e peak;
-  counting what VMEM leaves out, within 10%. Planned on that model (the solvers' budget is
+  counting what VMEM leaves out, x1.029 with the target's probe (108 MiB), x1.010 with
+  the 112 MiB the compiled step held there. Planned on that model (the solvers' budget is
   the live bytes the figure allows, `xla_memory.live_bytes_within`), 0.7 is met."""
   from examples import _common, mlp
   from jaxremat._src.xla_memory import xla_accounted_peak_bytes
@@ -893,7 +940,8 @@ def test_past_vmem_the_tpu_model_counts_only_what_lives_beyond_it():
   measured = program.baseline
   graph = program.graph
   predicted = xla_accounted_peak_bytes(graph, None, measured.alias_bytes)
-  assert 0.9 * measured.peak_bytes <= predicted <= 1.1 * measured.peak_bytes
+  assert graph.meta["on_chip_bytes"] > target.on_chip_bytes()
+  assert abs(predicted - measured.peak_bytes) <= 0.02 * measured.peak_bytes
   all_live = dataclasses.replace(graph, meta={**graph.meta, "on_chip_bytes": 0})
   assert xla_accounted_peak_bytes(all_live, None, measured.alias_bytes) > 1.3 * measured.peak_bytes
   # 120 s: on CI's two cores at 60 s the solves beside the compiles found no plan below

@@ -45,6 +45,7 @@ from jaxremat._src.hlo_text import (
   buffers,
   collectives,
   computations,
+  on_chip_peak,
   partitions,
 )
 from jaxremat._src.measure import Measurement, measure
@@ -57,7 +58,6 @@ _CALLS = re.compile(r"calls=%([\w.-]+)")
 # Instructions that hold no buffer of their own.
 _NO_BUFFER: Final = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "constant"})
 _PARAMETER = re.compile(r"parameter\((\d+)\)")
-_INDEX = re.compile(r"index=(\d+)")
 # Instructions that XLA runs in the buffer of the operand they update, as their output.
 _IN_PLACE: Final = frozenset({"scatter", "dynamic-update-slice"})
 # Instructions that hold their operand's value in another dtype or layout.
@@ -92,6 +92,8 @@ class CompiledValues:
   partitions: int = 1  # devices the step is partitioned over; sizes are one device's
   collective_bytes: dict[int, int] = dataclasses.field(default_factory=dict)  # equation ->
   # the bytes each device sends for the collectives the partitioner made for it
+  on_chip_peak_bytes: int = 0  # the most bytes of temporaries held on chip at once
+  evicts_from_chip: bool = False  # whether it evicts temporaries from chip (`on_chip_peak`)
 
 
 def compiled_values(
@@ -138,8 +140,13 @@ def compiled_values(
     if eqn.outvars
   }
   values = values_in_hlo(measured.hlo_text, len(jaxpr.invars), equations)
+  on_chip_peak_bytes, evicts = on_chip_peak(measured.hlo_text)
   return dataclasses.replace(
-    values, measurement=measured, collective_bytes=collective_bytes(measured.hlo_text)
+    values,
+    measurement=measured,
+    collective_bytes=collective_bytes(measured.hlo_text),
+    on_chip_peak_bytes=on_chip_peak_bytes,
+    evicts_from_chip=evicts,
   )
 
 
@@ -281,7 +288,7 @@ def values_in_hlo(
       elements[name] = [b for o in operands for b in elements.get(o, [])]
     elif instruction.opcode == "get-tuple-element":
       whole = elements.get(operands[0], [])
-      index = int(_INDEX.search(instruction.rest).group(1))
+      index = instruction.tuple_index
       elements[name] = whole[index : index + 1] if len(whole) > 1 else whole
     else:
       called = _CALLS.search(instruction.rest)
