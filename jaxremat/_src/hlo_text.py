@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import re
 from typing import Final
@@ -227,12 +228,12 @@ def on_chip_peak(hlo_text: str) -> tuple[int, bool]:
         evicted.add((i.name, 0))
   root = next((i for i in entry.instructions if i.is_root), entry.instructions[-1])
   outputs = set(elements.get(root.name, []))
-  held = [0] * len(entry.instructions)
+  change = [0] * (len(entry.instructions) + 1)  # bytes on chip made, less freed, at each
   for array, (size, space, at) in made.items():
     if space == 1 and array not in outputs:
-      for t in range(at, last_read.get(array, at) + 1):
-        held[t] += size
-  return max(held), bool(evicted - outputs)
+      change[at] += size
+      change[last_read.get(array, at) + 1] -= size
+  return max(itertools.accumulate(change)), bool(evicted - outputs)
 
 
 def _result(instruction: Instruction) -> tuple[int, int]:
