@@ -521,7 +521,7 @@ def graph_network_loss(params, batch):
   return jnp.mean((h - y) ** 2)
 
 
-def test_a_program_that_evicts_from_vmem_is_planned_with_the_vmem_it_got():
+def test_a_program_that_evicts_from_vmem_is_counted_with_the_vmem_it_got():
   """XLA:TPU kept at most 57.2 MiB of a graph network's step in VMEM (at 3 to 8 layers;
   here 4 layers, 2048 nodes, 16384 edges, width 128), where the target's probe keeps 108
   MiB, and evicted the rest to device memory: its figure, the arguments plus the larger

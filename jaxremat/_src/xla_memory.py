@@ -112,8 +112,8 @@ def _constants_released(graph: RematGraph, schedule: Any) -> dict[int, int]:
 def device_peak_bytes(live_bytes: int, resident_bytes: int, on_chip_bytes: int) -> int:
   """The compiler's peak figure for a program whose live bytes peak at ``live_bytes``, of
   them ``resident_bytes`` its arguments and outputs in device memory, on a target that
-  keeps up to ``on_chip_bytes`` of temporaries on chip (`Target.on_chip_bytes`; 0: the
-  figure is the live bytes).
+  keeps up to ``on_chip_bytes`` of temporaries on chip (what the compiled step held there,
+  or `Target.on_chip_bytes`: `program._on_chip_bytes`; 0: the figure is the live bytes).
 
   On TPU the figure is the larger of the arguments plus what VMEM held at most and device
   memory's own peak, the bytes live beyond VMEM: it follows the live bytes until the
