@@ -555,6 +555,53 @@ def test_a_program_that_evicts_from_vmem_is_counted_with_the_vmem_it_got():
   assert abs(predicted - measured.peak_bytes) <= 0.02 * measured.peak_bytes
 
 
+def point_network_loss(params, batch):
+  """EdgeConv on a point cloud: each layer gathers every point's K neighbours, runs a
+  product on each edge and keeps the largest response."""
+  points, neighbours, labels = batch
+  h = points @ params[0]
+  for w in params[1:-1]:
+    near = h[neighbours]
+    edge = jnp.concatenate([jnp.broadcast_to(h[:, None], near.shape), near - h[:, None]], -1)
+    h = h + jnp.max(jax.nn.relu(edge @ w), axis=1)
+  logits = h @ params[-1]
+  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+
+def test_values_the_compiled_step_holds_in_hbm_stay_there_past_vmem():
+  """An EdgeConv step (4 layers, 4096 points, 16 neighbours, width 64) for TPU v5e holds
+  its layers' edge values in HBM from the forward pass to the backward one, and VMEM
+  is not full meanwhile: at the most live, 123 MiB in HBM beside 77 in VMEM. Filling
+  VMEM first, the model read x0.877 of the compiler's peak with the target's VMEM, x0.868
+  with the 89.9 MiB the step held there; with the values the compiled step held in HBM
+  kept there, x1.000."""
+  from examples import _common
+  from jaxremat._src.xla_memory import xla_accounted_peak_bytes
+
+  target = needs("tpu-v5e")
+  keys = jax.random.split(jax.random.key(1), 8)
+  width, points, near = 64, 4096, 16
+  params = [jax.random.normal(keys[0], (3, width)) * 0.3]
+  params += [jax.random.normal(k, (2 * width, width)) * 0.1 for k in keys[1:5]]
+  params += [jax.random.normal(keys[5], (width, 10)) * 0.1]
+  batch = (
+    jax.random.normal(keys[6], (points, 3)),
+    jax.random.randint(keys[7], (points, near), 0, points),
+    jnp.arange(points) % 10,
+  )
+  step, args = _common.make_train_step(point_network_loss, params, batch)
+  program = jaxremat.trace_program(
+    step, *args, costs="shape", target=target, model="compiler", donate_argnums=(0, 1)
+  )
+  graph, measured = program.graph, program.baseline
+  assert any(node.attrs.get("off_chip") for node in graph.nodes)
+  predicted = xla_accounted_peak_bytes(graph, None, measured.alias_bytes)
+  assert abs(predicted - measured.peak_bytes) <= 0.02 * measured.peak_bytes
+  nodes = tuple(dataclasses.replace(n, attrs={**n.attrs, "off_chip": False}) for n in graph.nodes)
+  vmem_first = dataclasses.replace(graph, nodes=nodes)
+  assert xla_accounted_peak_bytes(vmem_first, None, measured.alias_bytes) < 0.95 * predicted
+
+
 def max_pool(x):
   return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
 

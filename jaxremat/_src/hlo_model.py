@@ -94,6 +94,7 @@ class CompiledValues:
   # the bytes each device sends for the collectives the partitioner made for it
   on_chip_peak_bytes: int = 0  # the most bytes of temporaries held on chip at once
   evicts_from_chip: bool = False  # whether it evicts temporaries from chip (`on_chip_peak`)
+  off_chip: frozenset[int] = frozenset()  # kept equations held in device memory beside it
 
 
 def compiled_values(
@@ -140,13 +141,8 @@ def compiled_values(
     if eqn.outvars
   }
   values = values_in_hlo(measured.hlo_text, len(jaxpr.invars), equations)
-  on_chip_peak_bytes, evicts = on_chip_peak(measured.hlo_text)
   return dataclasses.replace(
-    values,
-    measurement=measured,
-    collective_bytes=collective_bytes(measured.hlo_text),
-    on_chip_peak_bytes=on_chip_peak_bytes,
-    evicts_from_chip=evicts,
+    values, measurement=measured, collective_bytes=collective_bytes(measured.hlo_text)
   )
 
 
@@ -601,6 +597,10 @@ def values_in_hlo(
       u = max(made, key=position.get)
       if k not in constants_for or position[u] > position[constants_for[k][0]]:
         constants_for[k] = (u, serves(reader.name) - {None})
+  chip = on_chip_peak(hlo)
+  off_chip = {
+    roots_of[name][j] for name, j in chip.off_chip if j < len(roots_of.get(name, ()))
+  } & set(sizes)
   return CompiledValues(
     frozenset(sizes),
     sizes,
@@ -613,6 +613,9 @@ def values_in_hlo(
     remade_for,
     constants_for,
     partitions=parts,
+    on_chip_peak_bytes=chip.peak_bytes,
+    evicts_from_chip=chip.evicts,
+    off_chip=frozenset(off_chip),
   )
 
 

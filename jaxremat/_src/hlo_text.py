@@ -180,11 +180,21 @@ def sent_bytes(hlo_text: str) -> int:
   return sum(sum(sent) for _, sent in collectives(hlo_text))
 
 
-def on_chip_peak(hlo_text: str) -> tuple[int, bool]:
+@dataclasses.dataclass(frozen=True)
+class OnChip:
+  """What a compiled program holds on chip (`on_chip_peak`)."""
+
+  peak_bytes: int  # the most bytes of temporaries held on chip at once
+  evicts: bool  # whether it evicts temporaries from there into device memory
+  off_chip: frozenset[tuple[str, int]]  # (instruction, element): the arrays of temporaries
+  # held in device memory, made there or evicted there
+
+
+def on_chip_peak(hlo_text: str) -> OnChip:
   """The most bytes of temporaries the entry computation holds on chip at once (memory
-  space 1, TPU's VMEM), and whether it evicts temporaries from there into device memory:
-  where it does, the compiler's memory-space assignment filled what it had on chip for
-  this program. (0, False) without such a memory space.
+  space 1, TPU's VMEM), whether it evicts temporaries from there into device memory
+  (where it does, the compiler's memory-space assignment filled what it had on chip for
+  this program), and which it holds in device memory. Nothing without such a memory space.
 
   XLA:TPU keeps less on chip for some programs than for others: a graph network's step
   (gathers and segment sums) held at most 57.2 MiB in VMEM at 3 to 8 layers, evicting
@@ -194,13 +204,14 @@ def on_chip_peak(hlo_text: str) -> tuple[int, bool]:
   last reader, through tuples, their elements, bitcasts and ``-done`` instructions.
   """
   if "S(1)" not in hlo_text:
-    return 0, False
+    return OnChip(0, False, frozenset())
   entry = next(c for c in computations(hlo_text).values() if c.is_entry)
   by_name = {i.name: i for i in entry.instructions}
   elements: dict[str, list[tuple[str, int] | None]] = {}  # name -> the array of each element
   made: dict[tuple[str, int], tuple[int, int, int]] = {}  # array -> bytes, space, where made
   last_read: dict[tuple[str, int], int] = {}
   evicted: set[tuple[str, int]] = set()
+  source: dict[tuple[str, int], tuple[str, int] | None] = {}  # eviction -> the array copied
   for at, i in enumerate(entry.instructions):
     arrays, operands = buffers(i.shape), i.operands
     for o in operands:
@@ -226,6 +237,7 @@ def on_chip_peak(hlo_text: str) -> tuple[int, bool]:
         made[(i.name, j)] = (arrays[j].bytes, arrays[j].space, at)
       if i.opcode == "copy-start" and arrays[0].space == 0 and arrays[1].space == 1:
         evicted.add((i.name, 0))
+        source[(i.name, 0)] = elements.get(operands[0], [None])[0]
   root = next((i for i in entry.instructions if i.is_root), entry.instructions[-1])
   outputs = set(elements.get(root.name, []))
   change = [0] * (len(entry.instructions) + 1)  # bytes on chip made, less freed, at each
@@ -233,7 +245,11 @@ def on_chip_peak(hlo_text: str) -> tuple[int, bool]:
     if space == 1 and array not in outputs:
       change[at] += size
       change[last_read.get(array, at) + 1] -= size
-  return max(itertools.accumulate(change)), bool(evicted - outputs)
+  temporaries = evicted - outputs
+  off_chip = {source[a] for a in temporaries} | {
+    a for a, (_, space, _) in made.items() if space == 0 and a not in outputs and a not in evicted
+  }
+  return OnChip(max(itertools.accumulate(change)), bool(temporaries), frozenset(off_chip - {None}))
 
 
 def _result(instruction: Instruction) -> tuple[int, int]:

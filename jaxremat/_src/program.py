@@ -296,6 +296,9 @@ def build_program(
   for g in hoisted:
     node = nodes[n_in + g]
     nodes[n_in + g] = dataclasses.replace(node, attrs={**node.attrs, "allocated_at_start": True})
+  for k in () if compiled is None else compiled.off_chip & node_of.keys():
+    node = nodes[node_of[k]]
+    nodes[node_of[k]] = dataclasses.replace(node, attrs={**node.attrs, "off_chip": True})
   for v in _constants(n_in, len(nodes), edges):
     nodes[v] = dataclasses.replace(nodes[v], attrs={**nodes[v].attrs, "constant": True})
   node_eqns = [() for _ in range(n_in)] + [tuple(g) for g in groups]

@@ -60,17 +60,35 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
   def scratch(v: int) -> int:
     return 0 if with_nodes else int(graph.nodes[v].attrs.get("workspace_bytes", 0))
 
-  peak = graph.resident_bytes + held_bytes + pending_bytes + early_bytes
+  resident_bytes = graph.resident_bytes + held_bytes
+  on_chip_bytes = graph.meta.get("on_chip_bytes", 0)
+  off_chip = _off_chip_timeline(apart, schedule) if on_chip_bytes else None
+  peak, spilled = resident_bytes + pending_bytes + early_bytes, 0
   for t, ((kind, v), after) in enumerate(zip(schedule.events, result.timeline_bytes, strict=True)):
     if kind != "compute":
       continue
     if v in pending:
       pending.discard(v)
       pending_bytes -= graph.mem[v]
-    peak = max(peak, after + held_bytes + pending_bytes + early_bytes + scratch(v))
+    live = after + held_bytes + pending_bytes + early_bytes + scratch(v)
+    peak = max(peak, live)
+    if off_chip and live - resident_bytes > on_chip_bytes:
+      # past VMEM, what the compiled step held in HBM stays there, and the rest fills VMEM
+      rest = live - resident_bytes - off_chip[t]
+      spilled = max(spilled, off_chip[t] + max(0, rest - on_chip_bytes))
     early_bytes -= released.get(t, 0)
-  on_chip_bytes = graph.meta.get("on_chip_bytes", 0)
-  return device_peak_bytes(peak, graph.resident_bytes + held_bytes, on_chip_bytes)
+  return max(device_peak_bytes(peak, resident_bytes, on_chip_bytes), resident_bytes + spilled)
+
+
+def _off_chip_timeline(graph: RematGraph, schedule: Any) -> tuple[int, ...] | None:
+  """After each event of ``schedule``, the bytes of the values that the compiled step held
+  in device memory beside on-chip memory (nodes marked ``off_chip``); None where none is."""
+  off = [n.id for n in graph.nodes if n.attrs.get("off_chip")]
+  if not off:
+    return None
+  kept = {*off}
+  nodes = tuple(n if n.id in kept else dataclasses.replace(n, mem=0) for n in graph.nodes)
+  return simulate(dataclasses.replace(graph, nodes=nodes), schedule).timeline_bytes
 
 
 def held_apart(graph: RematGraph, alias_bytes: int) -> tuple[RematGraph, int]:
