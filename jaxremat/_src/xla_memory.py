@@ -44,7 +44,9 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
   unless the graph already has scratch nodes for them), plus the bytes XLA makes from
   constants at the start until their reader runs (``constant_bytes``,
   `_constants_released`). On a target that keeps temporaries on chip
-  (``meta["on_chip_bytes"]``), the figure its compiler makes of that (`device_peak_bytes`).
+  (``meta["on_chip_bytes"]``), the figure its compiler makes of that (`device_peak_bytes`),
+  where at each event past on-chip memory device memory holds at least the values the
+  compiled step held there (nodes marked ``off_chip``) and what the rest leaves over.
   """
   schedule = schedule or baseline_schedule(graph)
   apart, held_bytes = held_apart(graph, alias_bytes)
@@ -83,11 +85,10 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
 def _off_chip_timeline(graph: RematGraph, schedule: Any) -> tuple[int, ...] | None:
   """After each event of ``schedule``, the bytes of the values that the compiled step held
   in device memory beside on-chip memory (nodes marked ``off_chip``); None where none is."""
-  off = [n.id for n in graph.nodes if n.attrs.get("off_chip")]
+  off = {n.id for n in graph.nodes if n.attrs.get("off_chip")}
   if not off:
     return None
-  kept = {*off}
-  nodes = tuple(n if n.id in kept else dataclasses.replace(n, mem=0) for n in graph.nodes)
+  nodes = tuple(n if n.id in off else dataclasses.replace(n, mem=0) for n in graph.nodes)
   return simulate(dataclasses.replace(graph, nodes=nodes), schedule).timeline_bytes
 
 
