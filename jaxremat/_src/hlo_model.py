@@ -597,7 +597,7 @@ def values_in_hlo(
       u = max(made, key=position.get)
       if k not in constants_for or position[u] > position[constants_for[k][0]]:
         constants_for[k] = (u, serves(reader.name) - {None})
-  chip = on_chip_peak(hlo)
+  chip = on_chip_peak(entry)
   off_chip = {
     roots_of[name][j] for name, j in chip.off_chip if j < len(roots_of.get(name, ()))
   } & set(sizes)

@@ -190,11 +190,12 @@ class OnChip:
   # held in device memory, made there or evicted there
 
 
-def on_chip_peak(hlo_text: str) -> OnChip:
-  """The most bytes of temporaries the entry computation holds on chip at once (memory
-  space 1, TPU's VMEM), whether it evicts temporaries from there into device memory
-  (where it does, the compiler's memory-space assignment filled what it had on chip for
-  this program), and which it holds in device memory. Nothing without such a memory space.
+def on_chip_peak(entry: Computation) -> OnChip:
+  """The most bytes of temporaries ``entry`` (a module's entry computation, as
+  `computations` reads it) holds on chip at once (memory space 1, TPU's VMEM), whether it
+  evicts temporaries from there into device memory (where it does, the compiler's
+  memory-space assignment filled what it had on chip for this program), and which it
+  holds in device memory. Nothing without such a memory space.
 
   XLA:TPU keeps less on chip for some programs than for others: a graph network's step
   (gathers and segment sums) held at most 57.2 MiB in VMEM at 3 to 8 layers, evicting
@@ -203,15 +204,13 @@ def on_chip_peak(hlo_text: str) -> OnChip:
   the instruction that makes it (``copy-start``, ``async-start``: their results) to its
   last reader, through tuples, their elements, bitcasts and ``-done`` instructions.
   """
-  if "S(1)" not in hlo_text:
+  if not any("S(1)" in i.shape for i in entry.instructions):
     return OnChip(0, False, frozenset())
-  entry = next(c for c in computations(hlo_text).values() if c.is_entry)
   by_name = {i.name: i for i in entry.instructions}
   elements: dict[str, list[tuple[str, int] | None]] = {}  # name -> the array of each element
   made: dict[tuple[str, int], tuple[int, int, int]] = {}  # array -> bytes, space, where made
   last_read: dict[tuple[str, int], int] = {}
-  evicted: set[tuple[str, int]] = set()
-  source: dict[tuple[str, int], tuple[str, int] | None] = {}  # eviction -> the array copied
+  evicted: dict[tuple[str, int], tuple[str, int] | None] = {}  # eviction -> array copied
   for at, i in enumerate(entry.instructions):
     arrays, operands = buffers(i.shape), i.operands
     for o in operands:
@@ -236,8 +235,7 @@ def on_chip_peak(hlo_text: str) -> OnChip:
       for j in range(start, stop):
         made[(i.name, j)] = (arrays[j].bytes, arrays[j].space, at)
       if i.opcode == "copy-start" and arrays[0].space == 0 and arrays[1].space == 1:
-        evicted.add((i.name, 0))
-        source[(i.name, 0)] = elements.get(operands[0], [None])[0]
+        evicted[(i.name, 0)] = elements.get(operands[0], [None])[0]
   root = next((i for i in entry.instructions if i.is_root), entry.instructions[-1])
   outputs = set(elements.get(root.name, []))
   change = [0] * (len(entry.instructions) + 1)  # bytes on chip made, less freed, at each
@@ -245,8 +243,8 @@ def on_chip_peak(hlo_text: str) -> OnChip:
     if space == 1 and array not in outputs:
       change[at] += size
       change[last_read.get(array, at) + 1] -= size
-  temporaries = evicted - outputs
-  off_chip = {source[a] for a in temporaries} | {
+  temporaries = evicted.keys() - outputs
+  off_chip = {evicted[a] for a in temporaries} | {
     a for a, (_, space, _) in made.items() if space == 0 and a not in outputs and a not in evicted
   }
   return OnChip(max(itertools.accumulate(change)), bool(temporaries), frozenset(off_chip - {None}))
