@@ -17,6 +17,7 @@ from jaxremat._src.demo import make_mlp_step
 from jaxremat._src.emit import inlined_reads
 from jaxremat._src.program import _give_way, build_program
 from jaxremat._src.simulate import simulate
+from jaxremat._src.verify import compare_outputs
 from jaxremat._src.xla_memory import device_peak_bytes, live_bytes_within, xla_accounted_peak_bytes
 
 trace_program = functools.partial(jaxremat.trace_program, costs="shape")
@@ -1134,12 +1135,11 @@ def test_a_plan_emits_values_xla_computes_again_inside_their_readers():
   schedule = jaxremat.solve(graph, int(0.6 * baseline), "chen-greedy")
   assert len(schedule.computes) > len(set(schedule.computes))
   emitted = jax.jit(jaxremat.emit(program, schedule), static_argnames=flax_cnn.STATIC_ARGNAMES)
-  want = jax.jit(step, static_argnames=flax_cnn.STATIC_ARGNAMES)(*args, **kwargs)
   got = emitted(*args, **kwargs)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    # Batch statistics and Adam's update reassociate: within 1e-4 of each leaf's scale.
-    scale = float(np.max(np.abs(b))) or 1.0
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
+  # Batch statistics and Adam's update reassociate: within the step's own float noise (on
+  # an AMD EPYC, one weight of 2304 moved 0.28% where Adam divides a near-zero gradient).
+  comparison = compare_outputs(functools.partial(step, **kwargs), got, *args)
+  assert comparison.outputs_match, comparison.describe()
 
 
 def test_the_compiler_model_holds_what_later_fusions_recompute_from():
@@ -1354,3 +1354,71 @@ def test_a_value_keyed_after_a_reader_gives_way_where_fewer_nodes_move():
   # Node 4 (made at 5) reads 3 (at 30), made from a chain 0 -> 1 -> 2 -> 3: node 4 alone
   # moves down to 30 (a loss's gather that XLA:TPU starts before the logits).
   assert keys([10, 20, 25, 30, 5], [(0, 1), (1, 2), (2, 3), (3, 4)]) == [10, 20, 25, 30, 30]
+
+
+def experts_loss(params, x):
+  """One mixture-of-experts layer: a gate and four experts read the same input, top-2."""
+  h = x @ params["inp"]
+  gate = jax.nn.softmax(h @ params["gate"], -1)
+  top, index = jax.lax.top_k(gate, 2)
+  dispatch = (jax.nn.one_hot(index, gate.shape[-1]) * top[..., None]).sum(1)
+  up = jax.nn.gelu(jnp.einsum("nd,edh->neh", h, params["w1"]))
+  h = h + jnp.einsum("neh,ehd,ne->nd", up, params["w2"], dispatch)
+  return jnp.mean(h * h)
+
+
+def experts_step(hidden: int, batch: int):
+  from examples import _common
+
+  keys = iter(jax.random.split(jax.random.key(0), 5))
+  params = {
+    "inp": jax.random.normal(next(keys), (64, 128)) * 0.05,
+    "gate": jax.random.normal(next(keys), (128, 4)) * 0.05,
+    "w1": jax.random.normal(next(keys), (4, 128, hidden)) * 0.05,
+    "w2": jax.random.normal(next(keys), (4, hidden, 128)) * 0.05,
+  }
+  return _common.make_train_step(experts_loss, params, jax.random.normal(next(keys), (batch, 64)))
+
+
+def _compiler_model_over_peak(step, args, target=None) -> float:
+  program = jaxremat.trace_program(
+    step, *args, costs="shape", target=target, model="compiler", donate_argnums=(0, 1)
+  )
+  predicted = xla_accounted_peak_bytes(program.graph, None, program.baseline.alias_bytes)
+  return predicted / program.baseline.peak_bytes
+
+
+def test_a_buffer_of_a_value_that_dies_early_is_its_readers_scratch():
+  """XLA:CPU makes the experts' activation in the layout of each product that reads it:
+  transposed for the forward product, dead three instructions later, and again for the
+  weight's gradient in the backward pass. Held as one value until its last reader, both
+  copies read as live through the forward pass: x1.19 of XLA's peak on this layer (a
+  two-layer one x1.38, now x1.03)."""
+  ratio = _compiler_model_over_peak(*experts_step(hidden=512, batch=4096))
+  assert abs(ratio - 1) <= 0.05, ratio
+
+
+def _vocabulary_loss(params, tokens):
+  import optax
+
+  h = jnp.tanh(params["emb"][tokens[:, :-1]] @ params["w"])
+  logits = h @ params["emb"].T
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def test_a_buffer_updated_in_place_holds_one_value_at_a_time():
+  """XLA:CPU adds a cross-entropy's one-hot gradient into the softmax's gradient by a
+  scatter that updates the softmax's buffer in place, so the logits' gradient is one
+  buffer where the jaxpr has three values of the logits' size (the softmax's gradient,
+  the scatter, their sum): with all three live at the scatter, a tied-embedding language
+  model's step read x1.41 of XLA's peak."""
+  from examples import _common
+
+  keys = jax.random.split(jax.random.key(0), 3)
+  params = {
+    "emb": jax.random.normal(keys[0], (8192, 64)) * 0.05,
+    "w": jax.random.normal(keys[1], (64, 64)) * 0.05,
+  }
+  tokens = jax.random.randint(keys[2], (8, 64), 0, 8192)
+  ratio = _compiler_model_over_peak(*_common.make_train_step(_vocabulary_loss, params, tokens))
+  assert abs(ratio - 1) <= 0.05, ratio

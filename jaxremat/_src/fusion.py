@@ -361,12 +361,46 @@ def _group_as_compiled(
   dup_roots = {max(groups[g]) for g in duplicated}
   out = [sorted(groups[g]) for g in order]
   materialized: dict[Any, int] = {}
-  for k, size in compiled.bytes.items():
+  sizes = dict(compiled.bytes)
+  for k in (
+    k for g in duplicated for k in groups[g] if eqns[k].primitive.name in KERNEL_PRIMITIVES
+  ):
+    # A product the compiler keeps no buffer of (`_without_products` keeps it a node, to
+    # pay for its work once) whose kept readers all read one kept product's buffer is in
+    # that buffer: XLA:GPU merges products of one operand into one (the gate and the experts of
+    # a mixture-of-experts layer: f32[4096,2052]). Each holds its own share of it, so
+    # that a plan that makes one again makes a buffer of its own size.
+    reading = _kept_readers(eqns, readers, kept, k)
+    (holder, *others) = [
+      j
+      for j in sizes
+      if eqns[j].primitive.name in KERNEL_PRIMITIVES and reading <= compiled.read_for.get(j, set())
+    ] or [None]
+    if holder is not None and not others:
+      sizes[holder] -= min(sizes[holder], sum(compat.aval_bytes(v.aval) for v in eqns[k].outvars))
+  for k, size in sizes.items():
     outs = [v for v in eqns[k].outvars if not isinstance(v, compat.DropVar)]
     total = sum(compat.aval_bytes(v.aval) for v in outs)
     for v in outs:
       materialized[v] = size * compat.aval_bytes(v.aval) // total if total else 0
   return out, {i for i, g in enumerate(out) if g[-1] in dup_roots}, materialized
+
+
+def _kept_readers(
+  eqns: Any, readers: dict[Any, list[int]], kept: frozenset[int], k: int
+) -> set[int]:
+  """The kept equations that read equation ``k``'s outputs, directly or through
+  equations the compiler keeps no buffer of."""
+  found: set[int] = set()
+  todo, seen = [k], {k}
+  while todo:
+    for r in (r for v in eqns[todo.pop()].outvars for r in readers.get(v, ())):
+      if r in kept:
+        found.add(r)
+      elif r not in seen:
+        seen.add(r)
+        todo.append(r)
+  return found
 
 
 # Roots whose output XLA may write into the buffer of a same-shape operand that dies there.

@@ -260,6 +260,7 @@ def values_in_hlo(
   last_read: dict[tuple[str, int], int] = {}  # buffer -> where its last reader runs
   outputs: set[tuple[str, int]] = set()
   in_place: dict[str, int] = {}  # instruction that updates an operand's buffer -> its bytes
+  updates: dict[str, str | None] = {}  # such an instruction -> the operand it updates
   constant_names: set[str] = set()
   parameter_index: dict[str, int] = {}  # parameter instruction -> its number
   argument_reads: collections.Counter[str] = collections.Counter()  # parameter -> readers
@@ -322,8 +323,10 @@ def values_in_hlo(
       (source, *others) = {o if o in parameter_index else moves.get(o) for o in operands} or {None}
       if instruction.opcode != "fusion" and own[name] is None and source and not others:
         moves[name] = source
-      if next((i for i in body if i.is_root), instruction).opcode in _IN_PLACE:
+      root = next((i for i in body if i.is_root), instruction)
+      if root.opcode in _IN_PLACE:
         in_place[name] = sum(sizes_of)
+        updates[name] = _updated_operand(instruction, body, root)
       if any(i.opcode in _REDUCING for i in body or [instruction]):
         reducing.add(name)
       if all(o in constant_names for o in operands):
@@ -404,6 +407,9 @@ def values_in_hlo(
   # bytes made from constants (or indices no equation makes), where their last reader runs
   early: list[tuple[int, int, bool]] = []
   arguments = [0] * n_arguments
+  # kept equation -> each buffer of its value: where it is made, its last reader, its
+  # bytes, and the one equation that reads it, else the value's (None: a step output)
+  pieces: dict[int, list[tuple[int, int, int, int | None]]] = {}
 
   def between(k: int | None, start: int, end: int, *also: int) -> bool:
     return k is not None and _own_step(entry.instructions, roots_of, {k, *also}, start, end)
@@ -411,6 +417,16 @@ def values_in_hlo(
   def updated(b: tuple[str, int], size: int) -> bool:
     """Whether ``b`` is the buffer its one reader updates and returns (a scatter's zeros)."""
     return {in_place.get(r) for r in read_by[b]} == {size}
+
+  def updates_in_place(instruction: Instruction, size: int) -> int | None:
+    """The kept equation whose buffer of ``size`` bytes ``instruction`` updates in place
+    and returns, where nothing reads it after."""
+    found = elements.get(updates.get(instruction.name), [])
+    if len(found) != 1 or found[0][0] not in roots_of or read_by[found[0]] != [instruction.name]:
+      return None
+    ((maker, j),) = found
+    u = output_roots(maker)[j]
+    return u if u in sizes and held[maker][j] == size else None
 
   def replaced(instruction: Instruction, k: int) -> int:
     """The bytes of equation ``k``'s buffers that only ``instruction`` reads."""
@@ -477,6 +493,9 @@ def values_in_hlo(
       if b in outputs:
         readers = readers | {None}
         reader = None
+      holder = owner if k is None else k
+      # whose scratch the buffer is if it dies early (`_short_lived_to_scratch`)
+      charge = None if b in outputs else holder if reader is None else reader
       to_come[k] -= 1
       if b in converted:  # the equation's result before it is stored
         scratch[k] += size
@@ -484,9 +503,18 @@ def values_in_hlo(
       if j in from_constants.get(instruction.name, ()) and readers - {None}:
         # Zeros or indices made from constants alone: held for their last reader.
         if reader is not None and updated(b, size):
-          hoisted.add(reader)
+          if not between(reader, at, end):  # else made for its reader as it runs (XLA:GPU)
+            hoisted.add(reader)
         else:
           early.append((size, end, True))
+        continue
+      if k is not None and (u := updates_in_place(instruction, size)) not in (None, k):
+        # Another value's buffer, dying here, updated in place (XLA:CPU adds a
+        # cross-entropy's one-hot gradient into the softmax's): one buffer, held by that
+        # value until this one's readers have run.
+        read_for[u].update(readers - {u, None})
+        if k not in sizes:
+          sizes[k], position[k] = 0, at
         continue
       collective = instruction.opcode.removesuffix("-start") in COLLECTIVES
       if k is not None and readers == {k} and (collective or between(k, at, end)):
@@ -507,11 +535,11 @@ def values_in_hlo(
       if k is not None and k not in sizes:
         sizes[k] = size
         position[k] = at
+        pieces[k] = [(at, end, size, charge)]
         read_for.setdefault(k, set()).update(readers - {k, None})
         if staged:
           scratch[k] += staged
         continue
-      holder = owner if k is None else k
       if holder is None and reader is None and instruction.name in conversions:
         # An unnamed conversion that several equations read: the value, or an argument,
         # in another dtype or layout (XLA:CPU's float32 copies of bfloat16 activations
@@ -524,6 +552,7 @@ def values_in_hlo(
           (original,) = elements[operand]
           start, dies = position[source], last_read.get(original, at)
           life = max(end, dies) - start
+          pieces.pop(source, None)  # a conversion's buffers follow this rule instead
           if 2 * (end - at) >= life:
             sizes[source] += size
             read_for[source].update(readers - {source, None})
@@ -576,6 +605,9 @@ def values_in_hlo(
         # (a gradient's partial sums, all-reduced): both are not held at once for long.
         sizes[holder] += max(size - replaced(instruction, holder), 0) if collective else size
         read_for.setdefault(holder, set()).update(readers - {holder, None})
+        if not collective and holder in pieces:
+          pieces[holder].append((at, end, size, charge))
+  _short_lived_to_scratch(pieces, sizes, scratch)
   remade_for = _remade_for(entry.instructions, inside, elements, roots_of, sizes)
   # Each is held until the first value made after its last reader runs (XLA:CPU runs a
   # pool gradient's argmax with the forward pool, under the gradient's name). A reader of
@@ -617,6 +649,43 @@ def values_in_hlo(
     evicts_from_chip=chip.evicts,
     off_chip=frozenset(off_chip),
   )
+
+
+def _short_lived_to_scratch(
+  pieces: dict[int, list[tuple[int, int, int, int | None]]],
+  sizes: dict[int, int],
+  scratch: collections.Counter[int],
+) -> None:
+  """Moves each buffer of a value that dies in the first half of the value's life, and
+  is no step output, from the value's size to the scratch of the one equation that reads
+  it (else of the value's own equation, beside which XLA makes it). XLA makes a value in
+  several layouts, each for its readers: a product's operand transposed for the forward
+  product, and again for the weight's gradient in the backward pass (an einsum over
+  experts: two 32 MiB copies, the first dead four instructions later). Held as one value
+  until its last reader, both read as live through the forward pass. A buffer held to
+  the value's end stays the value's, and so does the one that lives longest."""
+  for k, made in pieces.items():
+    if len(made) < 2:
+      continue
+    start, last = min(at for at, *_ in made), max(end for _, end, *_ in made)
+    longest = max(range(len(made)), key=lambda j: made[j][1] - made[j][0])
+    for j, (_, end, size, reader) in enumerate(made):
+      if j != longest and reader is not None and 2 * (end - start) < last - start:
+        sizes[k] -= size
+        scratch[reader] += size
+
+
+def _updated_operand(
+  instruction: Instruction, body: list[Instruction], root: Instruction
+) -> str | None:
+  """The operand of ``instruction`` whose buffer its in-place ``root`` (a scatter, a
+  dynamic-update-slice; inside a fusion, of its ``body``) updates, if one is."""
+  if root is instruction:
+    return instruction.operands[0] if instruction.operands else None
+  updated = next((i for i in body if root.operands and i.name == root.operands[0]), None)
+  if updated is None or updated.opcode != "parameter":
+    return None
+  return instruction.operands[int(_PARAMETER.search(updated.line).group(1))]
 
 
 def _remade_for(
