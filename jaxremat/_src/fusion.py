@@ -367,14 +367,16 @@ def _group_as_compiled(
   ):
     # A product the compiler keeps no buffer of (`_without_products` keeps it a node, to
     # pay for its work once) whose kept readers all read one kept product's buffer is in
-    # that buffer: XLA:GPU merges products of one operand into one (the gate and the experts of
-    # a mixture-of-experts layer: f32[4096,2052]). Each holds its own share of it, so
-    # that a plan that makes one again makes a buffer of its own size.
+    # that buffer: XLA:GPU merges products of one operand into one (the gate and the
+    # experts of a mixture-of-experts layer: f32[4096,2052]). Each holds its own share of
+    # it, so that a plan that makes one again makes a buffer of its own size.
     reading = _kept_readers(eqns, readers, kept, k)
     (holder, *others) = [
       j
       for j in sizes
-      if eqns[j].primitive.name in KERNEL_PRIMITIVES and reading <= compiled.read_for.get(j, set())
+      if reading
+      and eqns[j].primitive.name in KERNEL_PRIMITIVES
+      and reading <= compiled.read_for.get(j, set())
     ] or [None]
     if holder is not None and not others:
       sizes[holder] -= min(sizes[holder], sum(compat.aval_bytes(v.aval) for v in eqns[k].outvars))

@@ -663,14 +663,18 @@ def _short_lived_to_scratch(
   product, and again for the weight's gradient in the backward pass (an einsum over
   experts: two 32 MiB copies, the first dead four instructions later). Held as one value
   until its last reader, both read as live through the forward pass. A buffer held to
-  the value's end stays the value's, and so does the one that lives longest."""
+  the value's end stays the value's, and so does the one that lives longest, and each
+  that an instruction makes with others of the value (the elements of XLA:TPU's
+  asynchronous collectives of a sharded step, which it holds together)."""
   for k, made in pieces.items():
     if len(made) < 2:
       continue
     start, last = min(at for at, *_ in made), max(end for _, end, *_ in made)
     longest = max(range(len(made)), key=lambda j: made[j][1] - made[j][0])
-    for j, (_, end, size, reader) in enumerate(made):
-      if j != longest and reader is not None and 2 * (end - start) < last - start:
+    makers = collections.Counter(at for at, *_ in made)
+    for j, (at, end, size, reader) in enumerate(made):
+      alone = makers[at] == 1
+      if j != longest and alone and reader is not None and 2 * (end - start) < last - start:
         sizes[k] -= size
         scratch[reader] += size
 
