@@ -259,8 +259,8 @@ def values_in_hlo(
   read_by: dict[tuple[str, int], list[str]] = {}  # buffer -> the instructions reading it
   last_read: dict[tuple[str, int], int] = {}  # buffer -> where its last reader runs
   outputs: set[tuple[str, int]] = set()
-  in_place: dict[str, int] = {}  # instruction that updates an operand's buffer -> its bytes
-  updates: dict[str, str | None] = {}  # such an instruction -> the operand it updates
+  # instruction that updates an operand's buffer in place -> that operand, where one is
+  updates: dict[str, str | None] = {}
   constant_names: set[str] = set()
   parameter_index: dict[str, int] = {}  # parameter instruction -> its number
   argument_reads: collections.Counter[str] = collections.Counter()  # parameter -> readers
@@ -325,7 +325,6 @@ def values_in_hlo(
         moves[name] = source
       root = next((i for i in body if i.is_root), instruction)
       if root.opcode in _IN_PLACE:
-        in_place[name] = sum(sizes_of)
         updates[name] = _updated_operand(instruction, body, root)
       if any(i.opcode in _REDUCING for i in body or [instruction]):
         reducing.add(name)
@@ -416,7 +415,7 @@ def values_in_hlo(
 
   def updated(b: tuple[str, int], size: int) -> bool:
     """Whether ``b`` is the buffer its one reader updates and returns (a scatter's zeros)."""
-    return {in_place.get(r) for r in read_by[b]} == {size}
+    return {sum(held[r]) if r in updates else None for r in read_by[b]} == {size}
 
   def updates_in_place(instruction: Instruction, size: int) -> int | None:
     """The kept equation whose buffer of ``size`` bytes ``instruction`` updates in place
@@ -684,9 +683,11 @@ def _updated_operand(
 ) -> str | None:
   """The operand of ``instruction`` whose buffer its in-place ``root`` (a scatter, a
   dynamic-update-slice; inside a fusion, of its ``body``) updates, if one is."""
+  if not root.operands:
+    return None
   if root is instruction:
-    return instruction.operands[0] if instruction.operands else None
-  updated = next((i for i in body if root.operands and i.name == root.operands[0]), None)
+    return instruction.operands[0]
+  updated = next((i for i in body if i.name == root.operands[0]), None)
   if updated is None or updated.opcode != "parameter":
     return None
   return instruction.operands[int(_PARAMETER.search(updated.line).group(1))]
