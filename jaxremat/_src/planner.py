@@ -102,6 +102,7 @@ _COSTS_SHARE = 0.25
 _COMPILES_PER_PLAN = 2.0
 _COMPILES_TO_VERIFY = 2.0
 _COMPILES_FOR_POLICY = 1.0  # `auto` only: the plan of `_Loop.try_dots_saveable`
+_FIRST_SOLVE_SHARE = 0.1  # of time_limit, the least the first solve gets (`solve_time_s`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -935,8 +936,13 @@ class _Loop:
     return realized < _UNDONE_SHARE * predicted_saving
 
   def solve_time_s(self) -> float:
-    """Half of what is left after the reserve, so that a replan still has time."""
-    return 0.5 * (self.deadline.left_s() - self.reserve_s)
+    """Half of what is left after the reserve, so that a replan still has time; for the
+    first plan, at least `_FIRST_SOLVE_SHARE` of the time limit, however long compiles
+    take. On the ResNet example for TPU v5e a compile takes a minute here: the reserve
+    for five of them left the first solve 0.1 s of 120, or of 300, and `auto` found
+    nothing within the budget in that time."""
+    share_s = 0.0 if self.solves else _FIRST_SOLVE_SHARE * self.opts.time_limit
+    return max(0.5 * (self.deadline.left_s() - self.reserve_s), share_s)
 
   def run_segments(self) -> None:
     """Compiles plans of `_SEGMENT_SOLVERS` until one meets the budget, while compiles
