@@ -135,7 +135,8 @@ def test_analyze_bad_input_is_one_clear_line(tmp_path, content, words):
   assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_analyze_takes_a_target_only_for_jaxpr_text(tmp_path):
+def _two_node_graph(tmp_path):
+  """A graph file of one input and one node that reads it."""
   graph = tmp_path / "g.json"
   graph.write_text(
     json.dumps(
@@ -149,11 +150,54 @@ def test_analyze_takes_a_target_only_for_jaxpr_text(tmp_path):
       }
     )
   )
+  return graph
+
+
+def test_analyze_takes_a_target_only_for_jaxpr_text(tmp_path):
+  graph = _two_node_graph(tmp_path)
   code, out, err = run("analyze", graph, "--target", "tpu-v5e")
   assert code == 2 and out == ""
   assert "--target tpu-v5e applies to jaxpr text" in err and "save_graph" in err
   code, out, _ = run("analyze", graph, "--budget", "100%")
   assert code == 0 and "model: as given in the graph file" in out
+
+
+def test_analyze_plot_without_matplotlib_says_what_to_install(tmp_path):
+  """matplotlib is an extra (``jaxremat[plots]``): without it ``--plot`` is a usage error
+  named before any work, not an internal error after the table."""
+  graph = _two_node_graph(tmp_path)
+  hide = "import sys; sys.modules['matplotlib'] = None"  # as where it is not installed
+  run_cli = "from jaxremat._src.cli import main; sys.exit(main(sys.argv[1:]))"
+  proc = subprocess.run(
+    [sys.executable, "-c", f"{hide}; {run_cli}", "analyze", graph, "--plot", tmp_path / "t.png"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 2 and proc.stdout == ""
+  assert "--plot" in proc.stderr and "pip install matplotlib" in proc.stderr
+  assert not (tmp_path / "t.png").exists()
+
+
+def test_the_library_and_the_demos_step_need_no_extra():
+  """``pip install -e ".[tpu-aot]"`` brings no optax, flax, equinox or matplotlib: every
+  module of jaxremat imports without them, and `jaxremat demo`'s step trains."""
+  code = """
+import sys
+for extra in ("optax", "flax", "equinox", "matplotlib"):
+  sys.modules[extra] = None  # as where it is not installed
+import importlib, pkgutil
+import jaxremat
+for m in pkgutil.walk_packages(jaxremat.__path__, "jaxremat."):
+  importlib.import_module(m.name)
+from jaxremat._src.demo import make_mlp_step
+step, args = make_mlp_step(depth=2, width=8, batch=8)
+params, opt_state, loss = step(*args)
+print(float(loss) > 0, len(params), opt_state)
+"""
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.split() == ["True", "2", "()"]
 
 
 def test_targets_lists_each_target_with_its_facts_measured():

@@ -9,6 +9,7 @@ error (a jaxremat bug), 130 interrupted. Errors are one line on stderr, never a 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -23,6 +24,10 @@ from jaxremat._src.solve import solve
 from jaxremat._src.solvers.base import available_solvers
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+MSG_NO_MATPLOTLIB = (
+  "--plot {path} needs matplotlib, which is not installed: pip install matplotlib (or the "
+  "jaxremat[plots] extra), or leave out --plot."
+)
 # Options whose values may start with '-' (argparse would take '-5%' for an option).
 _VALUE_OPTIONS = ("--budget", "--time-limit", "--workers")
 
@@ -99,6 +104,8 @@ def _cmd_targets(args) -> int:
 def _cmd_analyze(args) -> int:
   from jaxremat._src import analyze
 
+  if args.plot and importlib.util.find_spec("matplotlib") is None:
+    raise ValueError(MSG_NO_MATPLOTLIB.format(path=args.plot))
   graph = analyze.load_graph(args.file, target=args.target)
   rows, schedules = analyze.tradeoff(
     graph,

@@ -11,7 +11,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxremat._src.api import optimize
 from jaxremat._src.measure import measure
@@ -21,10 +20,14 @@ from jaxremat._src.targets import get_target
 def make_mlp_step(depth: int = 16, width: int = 256, batch: int = 4096, checkpoint: bool = False):
   """A training step (loss, gradient, SGD update) of a ``depth``-layer tanh MLP.
 
+  Plain SGD, written out, so that the demo needs nothing beyond jaxremat's dependencies
+  (optax's ``sgd`` without momentum computes the same update and keeps no state either).
+
   Returns:
-    ``(step, (params, opt_state, x, y))``: ``step`` returns the new params, opt state, loss.
+    ``(step, (params, opt_state, x, y))``: ``step`` returns the new params, opt state (an
+    empty tuple), loss.
   """
-  optimizer = optax.sgd(1e-3)
+  learning_rate = 1e-3
   keys = jax.random.split(jax.random.key(0), depth + 2)
   params = [
     jax.random.normal(k, (width, width), jnp.float32) / jnp.sqrt(width) for k in keys[:depth]
@@ -46,10 +49,10 @@ def make_mlp_step(depth: int = 16, width: int = 256, batch: int = 4096, checkpoi
 
   def step(params, opt_state, x, y):
     value, grads = jax.value_and_grad(loss)(params, x, y)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
+    params = jax.tree.map(lambda w, g: w - learning_rate * g, params, grads)
+    return params, opt_state, value
 
-  return step, (params, optimizer.init(params), x, y)
+  return step, (params, (), x, y)
 
 
 def run_demo(
