@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import csv
+import dataclasses
 import json
 import os
 import pathlib
@@ -170,12 +171,14 @@ def run_example(
   target: jaxremat.Target,
   batch_scale: int = 1,
   cache_dir: str | None = None,
+  model: str = "auto",
 ) -> list[dict]:
   """Every method on one example's training step; one row per method (and budget).
 
   Wall times and the variants' outputs are taken only where ``target`` runs here.
   ``batch_scale`` multiplies the example's batch size. ``cache_dir``: keep the plans in
-  this plan cache (default: no cache, every budget solved afresh).
+  this plan cache (default: no cache, every budget solved afresh). ``model``: the memory
+  model `jaxremat.optimize` plans in.
   """
   step, args = example_step(name, None, small, batch_scale)
   base = jaxremat.measure(step, *args, runs=0, target=target)
@@ -201,7 +204,7 @@ def run_example(
   for budget in budgets:
     row = {**common, "method": "jaxremat auto", "budget": budget}
     row["budget_bytes"] = budgets_bytes[budget]
-    fast = optimize_example(step, budget, time_limit_s, target, cache_dir)
+    fast = optimize_example(step, budget, time_limit_s, target, cache_dir, model=model)
     start = time.perf_counter()
     try:
       plan = fast.plan(*args)
@@ -221,6 +224,7 @@ def run_example(
           "predicted_peak_bytes": best.schedule.stats["optimize"]["predicted_peak_bytes"],
           "solver": best.schedule.solver,
           "n_plans": len(best.attempts),
+          "attempts": [dataclasses.asdict(a) for a in best.attempts],
         }
       rows.append(row)
       continue
@@ -236,6 +240,8 @@ def run_example(
       best_solver=stats.get("best_solver"),
       status=stats.get("status"),
       n_plans=len(plan.attempts),
+      # Each plan compiled: who made it, with which fence, predicted against measured.
+      attempts=[dataclasses.asdict(a) for a in plan.attempts],
       predicted_peak_bytes=stats["optimize"]["predicted_peak_bytes"],
       predicted_flops_ratio=stats["optimize"]["predicted_flops"]
       / stats["optimize"]["predicted_baseline_flops"],
@@ -417,7 +423,7 @@ def _write_csv(path: pathlib.Path, rows: list[dict]) -> None:
     writer = csv.DictWriter(f, fieldnames=fields)
     writer.writeheader()
     writer.writerows(
-      {k: json.dumps(v) if isinstance(v, dict) else v for k, v in r.items()} for r in rows
+      {k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in r.items()} for r in rows
     )
 
 
@@ -516,6 +522,12 @@ def main(argv: list[str] | None = None) -> None:
     "--target", help="compile for this device (jaxremat.get_target, e.g. tpu-v5e, h100)"
   )
   parser.add_argument(
+    "--model",
+    default="auto",
+    choices=("auto", "rules", "compiler"),
+    help="the memory model jaxremat plans in (jaxremat.trace_program)",
+  )
+  parser.add_argument(
     "--device-peaks",
     action="store_true",
     help="on this machine's GPU or TPU, also run each method alone in a fresh process and "
@@ -545,6 +557,8 @@ def main(argv: list[str] | None = None) -> None:
     tag += "_" + re.sub(r"[^A-Za-z0-9.-]+", "_", target.name)
   if args.batch_scale != 1:
     tag += f"_batchx{args.batch_scale}"
+  if args.model != "auto":
+    tag += f"_{args.model}"
   if args.device_peaks and not (target.local and target.platform in ("gpu", "tpu")):
     parser.error(f"--device-peaks needs a GPU or TPU here; the target is {target.name!r}.")
   cache_dir = tempfile.mkdtemp(prefix="jaxremat-e2e-") if args.device_peaks else None
@@ -560,7 +574,7 @@ def main(argv: list[str] | None = None) -> None:
   rows: list[dict] = []
   for name in names:
     found = run_example(
-      name, budgets, time_limit_s, runs, args.small, target, args.batch_scale, cache_dir
+      name, budgets, time_limit_s, runs, args.small, target, args.batch_scale, cache_dir, args.model
     )
     if args.device_peaks:
       add_device_peaks(found, time_limit_s, args.small, args.batch_scale, cache_dir)
@@ -577,6 +591,7 @@ def main(argv: list[str] | None = None) -> None:
       "jax": jax.__version__,
       "budgets": budgets,
       "time_limit_s": time_limit_s,
+      "model": args.model,
       "runs": runs,
       "load_avg_1min": loads,
       "total_s": time.perf_counter() - start,
