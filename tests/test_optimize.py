@@ -141,11 +141,31 @@ def test_a_budget_no_plan_meets_hands_out_the_best_plan_and_its_peak_is_met_on_r
   err = info.value
   assert err.lower_bound_bytes <= err.budget_bytes < err.measured_peak_bytes
   assert "loop" not in str(err)  # a step without loops gets no advice about them
+  assert "In jaxremat's model of this step" in str(err)  # below the model's floor
   assert err.plan.verification is not None and err.plan.verification.outputs_match
   assert_trees_allclose(err.plan.compiled(*args), jax.jit(step)(*args))
   again = jaxremat.optimize(step, budget=err.measured_peak_bytes, time_limit=20, cache_dir=tmp_path)
   plan = again.plan(*args)
   assert plan.measured_peak_bytes <= err.measured_peak_bytes
+
+
+def test_a_budget_below_what_any_plan_reaches_in_the_model_says_so():
+  """Below the model's floor (the arguments and outputs, and one node's operands and
+  result, at once) no plan of the model fits: the sentence a missed budget ends with
+  names the floor and the node. Above the model's floor and its least-peak plan it says
+  nothing."""
+  below = _small_loops(0.33, 30.0)()
+  graph = below.solver_graph
+  floor_bytes = below.figure_bytes(graph.min_feasible_bytes)
+  assert below.budget_bytes < floor_bytes
+  hint = below.floor_hint()
+  assert f"no plan goes below {floor_bytes} bytes" in hint
+  assert graph.node_label(graph.bottleneck_node) in hint
+  above = _small_loops(0.9, 30.0)()
+  above.try_least_peak()
+  # The floor bounds every plan of the model, the least-peak one too.
+  assert floor_bytes <= above.least_peak_bytes < above.budget_bytes
+  assert above.floor_hint() == ""
 
 
 def test_a_missed_budget_hands_out_a_plan_whose_recomputations_xla_merged(tmp_path):
@@ -289,13 +309,15 @@ def test_the_fence_that_measured_lower_is_compiled_first_thereafter(tmp_path):
 
 def test_no_least_peak_plan_is_compiled_past_the_deadline_once_a_plan_was():
   """``time_limit`` covers the whole first call, a compile in flight not cut short: past
-  the deadline, the least-peak plan is compiled only where no plan was."""
+  the deadline, the least-peak plan is compiled only where no plan was; it is solved even
+  so, for what a missed budget says of the model's least peak."""
   new_loop = _small_loops(0.1, 0.0)
   loop = new_loop()
   loop.try_schedule(jaxremat.baseline_schedule(loop.program.graph), "solve")
   compiled = len(loop.tried)
   loop.try_least_peak()
   assert len(loop.tried) == compiled and not loop.met
+  assert loop.least_peak_bytes < loop.tried[0].attempt.predicted_peak_bytes
   first = new_loop()
   first.try_least_peak()
   assert len(first.tried) >= 1
