@@ -141,7 +141,7 @@ def test_a_budget_no_plan_meets_hands_out_the_best_plan_and_its_peak_is_met_on_r
   err = info.value
   assert err.lower_bound_bytes <= err.budget_bytes < err.measured_peak_bytes
   assert "loop" not in str(err)  # a step without loops gets no advice about them
-  assert "In jaxremat's model of this step" in str(err)  # below the model's floor
+  assert "In jaxremat's model of this step" in str(err)  # below its least-peak plan
   assert err.plan.verification is not None and err.plan.verification.outputs_match
   assert_trees_allclose(err.plan.compiled(*args), jax.jit(step)(*args))
   again = jaxremat.optimize(step, budget=err.measured_peak_bytes, time_limit=20, cache_dir=tmp_path)
@@ -149,23 +149,19 @@ def test_a_budget_no_plan_meets_hands_out_the_best_plan_and_its_peak_is_met_on_r
   assert plan.measured_peak_bytes <= err.measured_peak_bytes
 
 
-def test_a_budget_below_what_any_plan_reaches_in_the_model_says_so():
-  """Below the model's floor (the arguments and outputs, and one node's operands and
-  result, at once) no plan of the model fits: the sentence a missed budget ends with
-  names the floor and the node. Above the model's floor and its least-peak plan it says
-  nothing."""
+def test_a_budget_below_the_least_peak_a_plan_reaches_in_the_model_says_so():
+  """Below the least peak of a plan the model's search reached, the sentence a missed
+  budget ends with gives that peak; above it, nothing."""
   below = _small_loops(0.33, 30.0)()
-  graph = below.solver_graph
-  floor_bytes = below.figure_bytes(graph.min_feasible_bytes)
-  assert below.budget_bytes < floor_bytes
-  hint = below.floor_hint()
-  assert f"no plan goes below {floor_bytes} bytes" in hint
-  assert graph.node_label(graph.bottleneck_node) in hint
+  assert below.least_peak_hint() == ""  # nothing searched yet
+  below.try_least_peak()
+  assert below.budget_bytes < below.least_peak_bytes
+  assert f"the least peak a plan reached is {below.least_peak_bytes} bytes" in (
+    below.least_peak_hint()
+  )
   above = _small_loops(0.9, 30.0)()
   above.try_least_peak()
-  # The floor bounds every plan of the model, the least-peak one too.
-  assert floor_bytes <= above.least_peak_bytes < above.budget_bytes
-  assert above.floor_hint() == ""
+  assert above.least_peak_bytes < above.budget_bytes and above.least_peak_hint() == ""
 
 
 def test_a_missed_budget_hands_out_a_plan_whose_recomputations_xla_merged(tmp_path):
