@@ -905,13 +905,18 @@ class _Loop:
       return
     self.least_peak_tried = True
     late = bool(self.tried) and self.deadline.left_s() <= 0
-    limit_s = max(self.solve_time_s(), 0.5)
-    schedule = self.solve(functools.partial(minimize_peak, solver="auto", time_limit=limit_s))
-    self.least_peak_bytes = self.predicted_peak_bytes(schedule)
+    schedule = self.least_peak_plan(max(self.solve_time_s(), 0.5))
     below_bytes = self.least_peak_bytes + int(_REPLAN_MARGIN * self.budget_bytes)
     compile_it = not late and self.solves_left() > 0
     if compile_it and all(t.attempt.predicted_peak_bytes > below_bytes for t in self.tried):
       self.try_schedule(schedule, "solve")
+
+  def least_peak_plan(self, time_limit_s: float) -> Schedule:
+    """The least-peak plan `auto`'s search reaches in the model within ``time_limit_s``;
+    its peak as the compiler counts one is kept for `least_peak_hint`."""
+    schedule = self.solve(functools.partial(minimize_peak, solver="auto", time_limit=time_limit_s))
+    self.least_peak_bytes = self.predicted_peak_bytes(schedule)
+    return schedule
 
   def least_peak_hint(self) -> str:
     """A sentence on the least peak a plan reached in the model, where the budget is below
