@@ -164,11 +164,12 @@ def test_a_budget_below_the_least_peak_a_plan_reaches_in_the_model_says_so():
   assert above.least_peak_bytes < above.budget_bytes and above.least_peak_hint() == ""
 
 
-def test_a_missed_budget_hands_out_a_plan_whose_recomputations_xla_merged(tmp_path):
-  """Unfenced, XLA:CPU merges every recomputation with the first computation: no plan
-  meets the budget, and the best one is handed out with its outputs verified, not
-  refused for the merged recomputations (on a bfloat16 transformer for H100 at 0.5, the
-  best plan kept 130 of 141 planned dots, and `optimize` raised VerificationError)."""
+def test_a_missed_budget_hands_out_the_step_itself_where_no_plan_holds_less(tmp_path):
+  """Unfenced, XLA:CPU merges every recomputation with the first computation, so each plan
+  measures the step's own peak and meets no budget. What a missed budget hands out is then
+  the step without recomputation, verified, not a plan that costs as much or more and
+  holds no less (a Flax CNN with BatchNorm at 0.5 on XLA:CPU was handed a plan 1.2% above
+  its step's peak), and the error gives no budget to retry at."""
   step, args = _small_step()
   unfenced = jaxremat.optimize(
     step, budget=0.6, fence="none", max_replans=1, time_limit=20, cache_dir=tmp_path
@@ -176,9 +177,15 @@ def test_a_missed_budget_hands_out_a_plan_whose_recomputations_xla_merged(tmp_pa
   with pytest.raises(jaxremat.BudgetNotMetError) as info:
     unfenced(*args)
   err = info.value
+  original = jaxremat.measure(step, *args, runs=0)
+  *plans, last = err.plan.attempts
+  assert plans and all(a.measured_peak_bytes >= original.peak_bytes for a in plans)
+  assert (last.origin, err.plan.schedule.solver) == ("baseline", "noremat")
+  assert err.measured_peak_bytes == original.peak_bytes
+  assert "none measured below the step without recomputation" in str(err)
+  assert "Retry with budget" not in str(err)
   v = err.plan.verification
-  assert v.outputs_match and v.n_planned_recomputes > 0 and not v.recomputes_survive
-  assert "merged away" in str(err) and "Retry with budget" not in str(err)
+  assert v.outputs_match and v.n_planned_recomputes == 0
   assert_trees_allclose(err.plan.compiled(*args), jax.jit(step)(*args))
 
 

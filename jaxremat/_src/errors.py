@@ -59,7 +59,8 @@ class InfeasibleBudgetError(JaxrematError, ValueError):
 class BudgetNotMetError(JaxrematError, RuntimeError):
   """No plan jaxremat found meets the budget as the compiler measures it; nothing is proven.
 
-  The best plan found is kept, verified, so that it can be used as it is.
+  The best plan found is kept, verified, so that it can be used as it is; where no plan
+  the compiler measured holds less than the step itself, that is the step, unchanged.
 
   Attributes:
     budget_bytes: the budget asked for.

@@ -286,8 +286,7 @@ def make_plan(
   policy_tried = loop.met
   if not loop.met and budget_bytes >= planned.peak_bytes:
     # The program fits: no recomputation is the cheapest plan, whatever the model says.
-    no_remat = simulate(program.graph, baseline_schedule(program.graph)).peak_bytes
-    loop.try_schedule(solve(program.graph, no_remat, "noremat"), "baseline")
+    loop.try_no_remat()
   if not loop.met:
     loop.run(opts.solver)
   if not loop.met and opts.solver == "auto":
@@ -303,6 +302,9 @@ def make_plan(
     for schedule, peak in cache.measured_plans(keys.program, program.graph):
       if peak <= budget_bytes and loop.try_schedule(schedule, "measured plans").met:
         break
+  if not loop.met and loop.tried and loop.least_measured_bytes() >= baseline.peak_bytes:
+    # No plan holds less than the step itself: the step is what a missed budget hands out.
+    loop.try_no_remat()
   if cache and loop.tried:
     measured = [(t.schedule, t.compiled.peak_bytes) for t in loop.tried]
     cache.add_measured(keys.program, program.graph, measured)
@@ -380,6 +382,8 @@ def make_plan(
     detail = f" in {len(loop.tried)} plan(s) and {deadline.elapsed_s():.0f} s"
     if not best.kept:
       detail += "; XLA merged away some of the recomputations the best plan planned"
+    if best.attempt.origin == "baseline":
+      detail += "; none measured below the step without recomputation, which is the plan handed out"
     shortfall_bytes = best.compiled.peak_bytes - budget_bytes
     hint = (
       loops_hint(program.graph, shortfall_bytes)
@@ -387,8 +391,8 @@ def make_plan(
       + loop.least_peak_hint()
     )
     # A plan whose recomputations XLA merged meets no budget (`_Loop._measure`), so a
-    # retry at its peak would not take it from the cache.
-    retry = cache is not None and best.kept
+    # retry at its peak would not take it from the cache; nor is the step itself a plan.
+    retry = cache is not None and best.kept and best.attempt.origin != "baseline"
     raise BudgetNotMetError(budget_bytes, plan, lower_bound, detail, retry, hint)
   if cache and best.attempt.origin != "cache":
     cache.store(keys.plan, schedule, info={"graph": program.graph.name, "versions": _versions()})
@@ -957,6 +961,15 @@ class _Loop:
       return
     self.try_schedule(schedule, "policy")
 
+  def try_no_remat(self) -> None:
+    """The step as it is, no recomputation, as a plan."""
+    graph = self.program.graph
+    peak_bytes = simulate(graph, baseline_schedule(graph)).peak_bytes
+    self.try_schedule(solve(graph, peak_bytes, "noremat"), "baseline")
+
+  def least_measured_bytes(self) -> int:
+    return min(t.compiled.peak_bytes for t in self.tried)
+
   def undone(self, attempt: Attempt) -> bool:
     """Whether XLA realized less than `_UNDONE_SHARE` of the saving the model predicted for
     a plan: the model credited what the compiler does not keep. XLA measured the GPT
@@ -1019,7 +1032,7 @@ class _Loop:
             logger.info("jaxremat: %s", e)
             if getattr(e, "least_peak_bytes", None) and name not in spent:
               least.setdefault(name, e.least_peak_bytes)
-      lowest_bytes = min((t.compiled.peak_bytes for t in self.tried), default=math.inf)
+      lowest_bytes = self.least_measured_bytes() if self.tried else math.inf
       least = {n: b for n, b in least.items() if self.figure_bytes(b) < lowest_bytes}
       if not plans and least:
         name = min(least, key=least.get)
