@@ -427,6 +427,18 @@ def values_in_hlo(
     u = output_roots(maker)[j]
     return u if u in sizes and held[maker][j] == size else None
 
+  def relaid_for(instruction: Instruction, at: int, size: int) -> int | None:
+    """The kept equation whose buffer, dying here, unnamed ``instruction`` reads alone and
+    copies into ``size`` bytes at most (another layout of its value), if it does."""
+    read = [b for o in instruction.operands for b in elements.get(o, [])]
+    if own[instruction.name] is not None or len(read) != 1:
+      return None
+    ((maker, i),) = read
+    u = output_roots(maker)[i] if maker in roots_of else None
+    if u in sizes and last_read.get((maker, i)) == at and size <= held[maker][i]:
+      return u
+    return None
+
   def replaced(instruction: Instruction, k: int) -> int:
     """The bytes of equation ``k``'s buffers that only ``instruction`` reads."""
     return sum(
@@ -590,7 +602,12 @@ def values_in_hlo(
         # indices; a plan at 0.5 read 19% under XLA with them as scratch).
         early.append((size, end, False))
       elif reader is not None and (holder not in sizes or between(reader, at, end)):
-        if not updated(b, size):  # else it is its reader's output
+        if (u := relaid_for(instruction, at, size)) is not None and not between(reader, at, end):
+          # The last copy of a value, in its reader's layout, made long before the reader
+          # runs: the value itself, held until then (XLA:CPU transposes a U-Net's
+          # concatenated skip in the forward pass for its weight's gradient: 24 MiB).
+          read_for.setdefault(u, set()).add(reader)
+        elif not updated(b, size):  # else it is its reader's output
           scratch[reader] += size
         if instruction.name in elsewhere:
           # An argument prefetched for its reader from where the move started: XLA:TPU
