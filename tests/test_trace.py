@@ -1230,8 +1230,14 @@ def _unet_resize_step():
     return optax.apply_updates(params, updates), opt_state
 
   keys = iter(jax.random.split(jax.random.key(9), 8))
-  channels = {"d1": (3, 32), "d2": (32, 64), "b": (64, 128), "u2": (192, 64), "u1": (96, 32)}
-  channels["o"] = (32, 1)
+  channels = {
+    "d1": (3, 32),
+    "d2": (32, 64),
+    "b": (64, 128),
+    "u2": (192, 64),
+    "u1": (96, 32),
+    "o": (32, 1),
+  }
   params = {
     name: jax.random.normal(next(keys), (3, 3, i, o)) / np.sqrt(9 * i)
     for name, (i, o) in channels.items()
