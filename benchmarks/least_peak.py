@@ -8,9 +8,9 @@ For each example's training step as benchmarks/e2e.py compiles it (default size,
 donation): the target compiler's peak, the model's count of the original, and the least
 peak of a plan in the model (`planner._Loop.least_peak_plan`: `minimize_peak` with
 ``auto`` on the planner's graph, as `optimize` searches it before it reports a missed
-budget; a search, not a proof), each counted as the compiler counts a peak. Where benchmarks/results/e2e_<target>.json exists,
-the budgets it missed and its best plan's peak beside them. Prints a table; writes
-benchmarks/results/least_peak_<target>.{csv,json}.
+budget; a search, not a proof), each counted as the compiler counts a peak. Where
+benchmarks/results/e2e_<target>.json exists, the budgets it missed and its best plan's
+peak beside them. Prints a table; writes benchmarks/results/least_peak_<target>.{csv,json}.
 """
 
 from __future__ import annotations

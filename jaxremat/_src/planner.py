@@ -967,8 +967,9 @@ class _Loop:
     peak_bytes = simulate(graph, baseline_schedule(graph)).peak_bytes
     self.try_schedule(solve(graph, peak_bytes, "noremat"), "baseline")
 
-  def least_measured_bytes(self) -> int:
-    return min(t.compiled.peak_bytes for t in self.tried)
+  def least_measured_bytes(self) -> float:
+    """The least peak the compiler measured of a plan tried (infinite before any)."""
+    return min((t.compiled.peak_bytes for t in self.tried), default=math.inf)
 
   def undone(self, attempt: Attempt) -> bool:
     """Whether XLA realized less than `_UNDONE_SHARE` of the saving the model predicted for
@@ -1032,7 +1033,7 @@ class _Loop:
             logger.info("jaxremat: %s", e)
             if getattr(e, "least_peak_bytes", None) and name not in spent:
               least.setdefault(name, e.least_peak_bytes)
-      lowest_bytes = self.least_measured_bytes() if self.tried else math.inf
+      lowest_bytes = self.least_measured_bytes()
       least = {n: b for n, b in least.items() if self.figure_bytes(b) < lowest_bytes}
       if not plans and least:
         name = min(least, key=least.get)
