@@ -51,7 +51,7 @@ def first_plan_pinned_both_ways(
 ) -> dict:
   """One row: the first plan of ``optimize`` at ``budget``, compiled with each pin."""
   _, baseline, loop = _planning_loop(name, budget, target, 10 * time_limit_s, batch_scale)
-  planning = loop.solver_budget(loop.budget_bytes - loop.baseline_gap_bytes)
+  planning = loop.solver_budget(loop.first_planning_bytes())
   schedule = loop.solve(lambda graph: solve(graph, planning, "auto", time_limit=time_limit_s))
   row = {"example": name, "budget": budget, "solver": schedule.stats.get("found_by", "auto")}
   for pin in ("recomputations", "all"):

@@ -20,12 +20,14 @@ from examples import _common
 from jaxremat._src.demo import make_mlp_step
 from jaxremat._src.plan_cache import PlanCache, fingerprint
 from jaxremat._src.planner import (
+  _POLICY_FLOPS_SHARE,
   _REPLAN_MARGIN,
   PlanOptions,
   _cache_keys,
   _Deadline,
   _Loop,
   least_compute,
+  model_flops,
   next_planning_budget,
 )
 from jaxremat._src.segments import segment_schedule
@@ -38,14 +40,22 @@ def _small_step():
 
 
 def _small_loops(fraction: float, deadline_s: float):
-  """Makes planning loops for `_small_step` at ``fraction`` of its peak."""
+  """Makes planning loops for `_small_step` at ``fraction`` of its peak, or at a budget
+  in bytes and with the replans given to the loop made."""
   step, args = _small_step()
   signature = call_signature(args, {})
   program = jaxremat.trace_program(step, *args, signature=signature)
   baseline = jaxremat.measure(step, *args, runs=0)
-  opts = PlanOptions(budget=fraction, target=get_target(None), progress=False)
-  budget_bytes = int(fraction * baseline.peak_bytes)
-  return lambda: _Loop(program, signature, budget_bytes, opts, _Deadline(deadline_s), baseline)
+
+  def new_loop(
+    budget_bytes=int(fraction * baseline.peak_bytes), max_replans=PlanOptions.max_replans
+  ):
+    opts = PlanOptions(
+      budget=fraction, target=get_target(None), progress=False, max_replans=max_replans
+    )
+    return _Loop(program, signature, budget_bytes, opts, _Deadline(deadline_s), baseline)
+
+  return new_loop
 
 
 def test_plan_cache_round_trip_and_damaged_entries(tmp_path):
@@ -356,6 +366,21 @@ def test_a_plan_compiled_already_is_not_compiled_again():
   assert len(loop.tried) == compiled and loop.solves == 2
 
 
+def test_a_plan_that_kept_its_shape_is_replanned_not_fenced_again():
+  """A plan XLA measures over the budget by no more beyond the model than on the original
+  step, give or take a replan's margin, kept the shape its fence gave it: a replan comes
+  next, not the same plan with the other fence (of nine such first plans for H100, none
+  met the budget with it). With no replan left, the other fence is the last try."""
+  new_loop = _small_loops(0.5, 60.0)
+  schedule = segment_schedule(new_loop().program.graph, 2)
+  measured = new_loop().try_schedule(schedule, "solve").compiled.peak_bytes
+  for max_replans, origins in ((1, ["solve"]), (0, ["solve", "retry"])):
+    loop = new_loop(budget_bytes=measured - 1, max_replans=max_replans)
+    tried = loop.try_schedule(schedule, "solve")
+    assert not tried.met and loop.kept_shape(tried.attempt)
+    assert [t.attempt.origin for t in loop.tried] == origins
+
+
 def test_the_policys_plan_is_compiled_once_even_where_it_misses():
   """The policy's plan is a candidate beside a plan that met the budget already: one
   compile, not a second one with the other fence, even where XLA measures it over."""
@@ -605,17 +630,20 @@ def test_the_solvers_hold_constants_from_the_start_until_the_copy_their_reader_r
   assert loop.held_constants == {2} and c in loop.solver_graph.inputs
 
 
-def test_the_first_plan_is_made_below_the_budget_by_what_xla_holds_beyond_the_model(tmp_path):
+def test_the_first_plan_is_made_below_the_budget_by_a_margin_and_no_credit(tmp_path):
   """The compiler's peak of the original calibrates the model: the first plan is made at
-  the budget less what XLA measured beyond the model there (here the model is the
-  pessimistic one, so the first plan may hold more than the budget in the model)."""
+  the budget less what XLA measured beyond the model there, and less a replan's margin.
+  Here the model holds more than XLA on the original step, which is no credit: the plan
+  is made below the budget all the same."""
   step, args = _small_step()
   plan = jaxremat.optimize(step, budget=0.7, time_limit=20, cache_dir=tmp_path).plan(*args)
   model = plan.schedule.stats["optimize"]
   gap = plan.baseline_peak_bytes - model["predicted_baseline_peak_bytes"]
-  assert gap != 0
+  assert gap < 0
   first = plan.attempts[0]
-  assert first.origin == "solve" and first.planning_budget_bytes == plan.budget_bytes - gap
+  margin = int(_REPLAN_MARGIN * plan.budget_bytes)
+  assert first.origin == "solve" and first.planning_budget_bytes == plan.budget_bytes - margin
+  assert first.predicted_peak_bytes <= first.planning_budget_bytes
   assert plan.measured_peak_bytes <= plan.budget_bytes
 
 
@@ -651,10 +679,12 @@ def test_of_the_plans_that_met_the_budget_the_least_compute_is_handed_out():
 
 def test_the_dots_saveable_plan_is_compiled_beside_a_plan_that_met_the_budget(tmp_path):
   """Once a plan meets the budget, `optimize` compiles the plan of the policy users try
-  first, where the model puts it within the budget, and hands out a plan no other met
-  plan beats in XLA's peak and FLOPs. The portfolio leaves the policy out here, so that
-  its plan is not the first one. The step: depthwise and pointwise convolutions with GELU
-  and residuals (a small ConvMixer)."""
+  first, where the model puts it within the budget at about the met plan's FLOPs or
+  fewer, and hands out a plan no other met plan beats in XLA's peak and FLOPs. The
+  portfolio leaves the policy out here, so that its plan is not the first one. The step:
+  depthwise and pointwise convolutions with GELU and residuals (a small ConvMixer). At
+  0.56 of its peak the model counts the policy's plan 0.2% dearer than the plan that met
+  (XLA:CPU 0.03% cheaper); at 0.8, 2% dearer, and it is not compiled."""
 
   def loss(params, x):
     for dw, pw in params:
@@ -672,7 +702,7 @@ def test_the_dots_saveable_plan_is_compiled_beside_a_plan_that_met_the_budget(tm
   ]
   args = (params, jax.random.normal(key, (8, 16, 16, width)))
   options = dict(
-    budget=0.8,
+    budget=0.56,
     time_limit=30,
     cache_dir=tmp_path,
     progress=False,
@@ -694,3 +724,10 @@ def test_the_dots_saveable_plan_is_compiled_beside_a_plan_that_met_the_budget(tm
   # The plan chosen over the policy's comes from the cache next time, compiled once.
   cached = jaxremat.optimize(jax.value_and_grad(loss), **options).plan(*args)
   assert [a.origin for a in cached.attempts] == ["cache"]
+  options.update(budget=0.8, use_cache=False)
+  loose = jaxremat.optimize(jax.value_and_grad(loss), **options).plan(*args)
+  assert [a.origin for a in loose.attempts] == ["solve"]
+  graph = loose.program.graph
+  policy = jaxremat.solve(graph, loose.baseline_peak_bytes, "dots-saveable")
+  dearer = model_flops(graph, policy.computes) / model_flops(graph, loose.schedule.computes)
+  assert dearer > 1 + _POLICY_FLOPS_SHARE
