@@ -817,9 +817,10 @@ class _Loop:
     (the target's `BackendFacts.pin_first` before). So is a plan that met the budget where
     its collectives send more than the step's and its recomputations'
     (`collectives_as_planned`: the FSDP GPT example's plans, every equation fenced,
-    gathered each weight for each reader). Retries do not count as solves. The first plan of the MobileNet example at 0.7 measured lower pinned on
-    XLA:CPU (x0.428 of the peak against x0.796) and higher on H100 (x0.783 against
-    x0.705); of VGG16 on TPU v5e, x0.905 pinned and x0.737 not (benchmarks/pinning.py).
+    gathered each weight for each reader). Retries do not count as solves. The first plan
+    of the MobileNet example at 0.7 measured lower pinned on XLA:CPU (x0.428 of the peak
+    against x0.796) and higher on H100 (x0.783 against x0.705); of VGG16 on TPU v5e,
+    x0.905 pinned and x0.737 not (benchmarks/pinning.py).
     The policy's plan is a candidate beside a plan that met the budget already
     (`try_dots_saveable`), compiled once: where the target keeps `jax.checkpoint`'s
     barrier, as `jax.checkpoint` compiles the policy (``pin="checkpoint"``). On the GPT
@@ -951,8 +952,8 @@ class _Loop:
 
   def try_dots_saveable(self) -> None:
     """Once a plan met the budget, the plan of ``jax.checkpoint``'s ``dots_saveable``
-    policy, where the model puts it within the budget at no more FLOPs than a plan that
-    met it, and time is left to compile it: the policy users try first is a plan the
+    policy, where the model puts it within the budget at about a met plan's FLOPs or
+    fewer, and time is left to compile it: the policy users try first is a plan the
     compiler weighs against the others (`least_compute`). On the ConvMixer step for H100
     at 0.7, `auto`'s plan measured x0.677 of the peak at x1.020 FLOPs, and the policy
     x0.641 at x1.018. The model counts a plan's FLOPs within 2% of the compiler on the six
@@ -1079,8 +1080,9 @@ class _Loop:
     """Solves with ``solver`` and compiles; while XLA measures over budget, plans tighter.
 
     The first round plans within `first_planning_bytes`; each next one below the last
-    plan's own peak by what XLA measured beyond the budget (`next_planning_budget`). It stops when the model proves the
-    planning budget infeasible, the solver finds nothing, or XLA undid a plan (`undone`).
+    plan's own peak by what XLA measured beyond the budget (`next_planning_budget`). It
+    stops when the model proves the planning budget infeasible, the solver finds nothing,
+    or XLA undid a plan (`undone`).
     """
     planning = self.first_planning_bytes()
     while not self.met and self.solves_left() > 0:
