@@ -971,7 +971,9 @@ class _Loop:
     except (InfeasibleBudgetError, NoScheduleFoundError):
       return
     graph = self.program.graph
-    met_flops = min(model_flops(graph, t.schedule.computes) for t in self.tried if t.met)
+    met_flops = min(
+      (model_flops(graph, t.schedule.computes) for t in self.tried if t.met), default=math.inf
+    )
     if model_flops(graph, schedule.computes) <= (1 + _POLICY_FLOPS_SHARE) * met_flops:
       self.try_schedule(schedule, "policy")
 
