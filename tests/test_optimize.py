@@ -305,11 +305,13 @@ def test_max_replans_bounds_the_plans_compiled(tmp_path):
 
 
 def test_the_fence_that_measured_lower_is_compiled_first_thereafter(tmp_path):
-  """The first plan over the budget is compiled with its whole order fenced and with only
-  its recomputations fenced; the step's next plans get the one XLA measured lower first."""
+  """A plan XLA measures over the budget and further beyond the model than the original
+  step (here the first, 12% over the model) is compiled with its whole order fenced and
+  with only its recomputations fenced; the step's next plans get the one XLA measured
+  lower first."""
   step, args = _small_step()
   f = jaxremat.optimize(
-    step, budget=0.55, time_limit=30, max_replans=2, use_cache=False, verify=False, progress=False
+    step, budget=0.5, time_limit=30, max_replans=2, use_cache=False, verify=False, progress=False
   )
   with pytest.raises(jaxremat.BudgetNotMetError) as info:
     f(*args)
@@ -630,18 +632,17 @@ def test_the_solvers_hold_constants_from_the_start_until_the_copy_their_reader_r
   assert loop.held_constants == {2} and c in loop.solver_graph.inputs
 
 
-def test_the_first_plan_is_made_within_the_budget_where_the_model_holds_more_than_xla(tmp_path):
+def test_the_first_plan_is_made_below_the_budget_by_what_xla_holds_beyond_the_model(tmp_path):
   """The compiler's peak of the original calibrates the model: the first plan is made at
-  the budget less what XLA measured beyond the model there. Here the model holds more
-  than XLA on the original step, which is no credit: the plan is made within the budget
-  all the same."""
+  the budget less what XLA measured beyond the model there (here the model is the
+  pessimistic one, so the first plan may hold more than the budget in the model)."""
   step, args = _small_step()
   plan = jaxremat.optimize(step, budget=0.7, time_limit=20, cache_dir=tmp_path).plan(*args)
   model = plan.schedule.stats["optimize"]
   gap = plan.baseline_peak_bytes - model["predicted_baseline_peak_bytes"]
-  assert gap < 0
+  assert gap != 0
   first = plan.attempts[0]
-  assert first.origin == "solve" and first.planning_budget_bytes == plan.budget_bytes
+  assert first.origin == "solve" and first.planning_budget_bytes == plan.budget_bytes - gap
   assert plan.measured_peak_bytes <= plan.budget_bytes
 
 
