@@ -783,14 +783,9 @@ class _Loop:
 
   def first_planning_bytes(self) -> int:
     """The budget the first plan is made within, as XLA counts a peak: the budget less
-    what XLA held beyond the model on the original step, or more than the budget where
-    the model held more than XLA there. That credit did not hold for the GPT, ResNet and
-    U-Net examples for H100 at 0.7 (planned 0.14-0.53 MB over the budget, measured 1.5-4.3%
-    over the model), and did on XLA:CPU for a tanh MLP of `tests/test_faults.py`, where the
-    rules' model holds 10% more than XLA for the step and its plans: without it, its plan
-    at 0.8 cost 12% more FLOPs, and a variant of it missed the budget. No margin below it:
-    a plan made 2% below the budget (a replan's margin) cost the MLP example on XLA:CPU at
-    0.7 x3.22 of the step's FLOPs, where the plan at the budget met it at x1.81."""
+    what XLA held beyond the model on the original step (more than the budget where the
+    model holds more than XLA there). Neither dropping that credit nor a margin below it
+    paid on every step (benchmarks/README.md, "Compiles")."""
     return self.budget_bytes - self.baseline_gap_bytes
 
   def solver_budget(self, planning_bytes: int) -> int:
