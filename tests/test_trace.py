@@ -18,7 +18,12 @@ from jaxremat._src.emit import inlined_reads
 from jaxremat._src.program import _give_way, build_program
 from jaxremat._src.simulate import simulate
 from jaxremat._src.verify import compare_outputs
-from jaxremat._src.xla_memory import device_peak_bytes, live_bytes_within, xla_accounted_peak_bytes
+from jaxremat._src.xla_memory import (
+  device_peak_bytes,
+  live_bytes_within,
+  peak_bound,
+  xla_accounted_peak_bytes,
+)
 
 trace_program = functools.partial(jaxremat.trace_program, costs="shape")
 
@@ -477,6 +482,11 @@ def test_transient_scratch_counts_in_xla_accounted_peak():
   # Node 2 runs with 50 scratch bytes on top of 10 + 100 + 5 + the pending output 7.
   assert xla_accounted_peak_bytes(g) == 122
   assert xla_accounted_peak_bytes(with_scratch) == 172
+  # On a chain the bound is the baseline's peak: node 2 computes with node 1 live.
+  assert peak_bound(g) == (122, 2)
+  assert peak_bound(with_scratch) == (172, 2)
+  # 3 of the output's bytes written into a donated argument: 3 fewer held throughout.
+  assert peak_bound(g, alias_bytes=3)[0] == xla_accounted_peak_bytes(g, alias_bytes=3) == 119
 
 
 # -- every dtype as a computed value, not only as an input ---------------------------------

@@ -55,13 +55,8 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
     raise ValueError(f"The schedule is invalid for graph {graph.name!r}: {result.error}")
   pending = allocated_at_start(graph)
   pending_bytes = sum(graph.mem[v] for v in pending)
-  with_nodes = graph.meta.get("workspace", False)
   early_bytes = constant_bytes(graph)
   released = _constants_released(graph, schedule)
-
-  def scratch(v: int) -> int:
-    return 0 if with_nodes else int(graph.nodes[v].attrs.get("workspace_bytes", 0))
-
   resident_bytes = graph.resident_bytes + held_bytes
   on_chip_bytes = graph.meta.get("on_chip_bytes", 0)
   off_chip = _off_chip_timeline(apart, schedule) if on_chip_bytes else None
@@ -72,7 +67,7 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
     if v in pending:
       pending.discard(v)
       pending_bytes -= graph.mem[v]
-    live = after + held_bytes + pending_bytes + early_bytes + scratch(v)
+    live = after + held_bytes + pending_bytes + early_bytes + scratch_bytes(graph, v)
     peak = max(peak, live)
     if off_chip and live - resident_bytes > on_chip_bytes:
       # past VMEM, what the compiled step held in HBM stays there, and the rest fills VMEM
@@ -80,6 +75,35 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
       spilled = max(spilled, off_chip[t] + max(0, rest - on_chip_bytes))
     early_bytes -= released.get(t, 0)
   return max(device_peak_bytes(peak, resident_bytes, on_chip_bytes), resident_bytes + spilled)
+
+
+def peak_bound(graph: RematGraph, alias_bytes: int = 0) -> tuple[int, int | None]:
+  """A lower bound on `xla_accounted_peak_bytes` of every valid schedule of ``graph``, and
+  the node that sets it (None for a graph of inputs only).
+
+  Whatever the order and the recomputations, a node computes with its operands and its
+  result live (FORMATS.md), beside the arguments, the outputs XLA holds throughout
+  (`held_apart`) and the node's scratch; the figure grows with the live bytes
+  (`device_peak_bytes`). It bounds plans in the model: a compiler that fuses a plan
+  otherwise than the step may hold less.
+  """
+  apart, held_bytes = held_apart(graph, alias_bytes)
+
+  def live_bytes(v: int) -> int:
+    return apart.compute_bytes(v) + scratch_bytes(graph, v)
+
+  node = max((v for v in graph.order if not graph.is_input[v]), key=live_bytes, default=None)
+  live = apart.resident_bytes if node is None else live_bytes(node)
+  resident_bytes = graph.resident_bytes + held_bytes
+  bound = device_peak_bytes(live + held_bytes, resident_bytes, graph.meta.get("on_chip_bytes", 0))
+  return bound, node
+
+
+def scratch_bytes(graph: RematGraph, v: int) -> int:
+  """The scratch XLA allocates while ``v`` runs, where the graph has no scratch nodes."""
+  if graph.meta.get("workspace", False):
+    return 0
+  return int(graph.nodes[v].attrs.get("workspace_bytes", 0))
 
 
 def _off_chip_timeline(graph: RematGraph, schedule: Any) -> tuple[int, ...] | None:
