@@ -406,9 +406,10 @@ def test_a_plan_compiled_already_is_not_compiled_again():
 
 def test_a_plan_that_kept_its_shape_is_replanned_not_fenced_again():
   """A plan XLA measures over the budget by no more beyond the model than on the original
-  step, give or take a replan's margin, kept the shape its fence gave it: a replan comes
-  next, not the same plan with the other fence (of nine such first plans for H100, none
-  met the budget with it). With no replan left, the other fence is the last try."""
+  step, give or take a tenth of the plan's peak, kept the shape its fence gave it: a
+  replan comes next, not the same plan with the other fence (of nine first plans for H100
+  1-19% over the model, none met the budget with it). With no replan left, the other
+  fence is the last try."""
   new_loop = _small_loops(0.5, 60.0)
   schedule = segment_schedule(new_loop().program.graph, 2)
   measured = new_loop().try_schedule(schedule, "solve").compiled.peak_bytes
@@ -417,6 +418,13 @@ def test_a_plan_that_kept_its_shape_is_replanned_not_fenced_again():
     tried = loop.try_schedule(schedule, "solve")
     assert not tried.met and loop.kept_shape(tried.attempt)
     assert [t.attempt.origin for t in loop.tried] == origins
+  # 8% beyond the model is well past a replan's margin (2% of the budget), yet kept; the
+  # first plan 12% beyond it is fenced again (`test_the_fence_that_measured_lower_...`).
+  excess_bytes = int(0.08 * tried.attempt.predicted_peak_bytes)
+  excess_bytes += max(loop.baseline_gap_bytes, 0)
+  assert excess_bytes > 3 * _REPLAN_MARGIN * loop.budget_bytes
+  beyond = tried.attempt.predicted_peak_bytes + excess_bytes
+  assert loop.kept_shape(dataclasses.replace(tried.attempt, measured_peak_bytes=beyond))
 
 
 def test_the_policys_plan_is_compiled_once_even_where_it_misses():
