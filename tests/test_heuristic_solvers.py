@@ -442,8 +442,8 @@ def test_griewank_without_backward_nodes_is_the_forward_sweep():
 
 @pytest.mark.parametrize("solver", ["chen-search-ap", "segments", "twremat"])
 def test_a_segment_solver_that_fits_nothing_names_the_least_peak_it_reached(solver):
-  """Where no segment plan fits, the planner compiles the one with the least peak any
-  solver reached (`planner._Loop.run_segments`): planned within that peak, it is found."""
+  """Where no segment plan fits, the error names the least peak the solver reached:
+  planned within that peak, it is found."""
   g = shared_graph("checkmate_mobilenet_train")
   with pytest.raises(NoScheduleFoundError) as info:
     jaxremat.solve(g, g.min_feasible_bytes, solver)
