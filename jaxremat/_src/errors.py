@@ -57,7 +57,9 @@ class InfeasibleBudgetError(JaxrematError, ValueError):
 
 
 class BudgetNotMetError(JaxrematError, RuntimeError):
-  """No plan jaxremat found meets the budget as the compiler measures it; nothing is proven.
+  """No plan jaxremat found meets the budget as the compiler measures it; nothing about the
+  compiler is proven. Where the budget is below every plan of jaxremat's model of the step,
+  the message gives that bound and the node that sets it (a proof in the model).
 
   The best plan found is kept, verified, so that it can be used as it is; where no plan
   the compiler measured holds less than the step itself, that is the step, unchanged.
