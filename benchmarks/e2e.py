@@ -219,12 +219,13 @@ def run_example(
       row["best_measured_peak_bytes"] = getattr(e, "measured_peak_bytes", None)
       best = getattr(e, "plan", None)
       if best is not None:  # the plan handed out with BudgetNotMetError, on the plane too
+        planned = best.schedule.stats["optimize"]
         row["best_plan"] = {
           **_figures(best.measurement, base, budgets_bytes),
-          "predicted_peak_bytes": best.schedule.stats["optimize"]["predicted_peak_bytes"],
+          "predicted_peak_bytes": planned["predicted_peak_bytes"],
           # No plan holds less in the model; beyond_model: the budget is below that.
-          "model_bound_bytes": best.schedule.stats["optimize"]["model_bound_bytes"],
-          "beyond_model": best.schedule.stats["optimize"]["beyond_model"],
+          "model_bound_bytes": planned["model_bound_bytes"],
+          "beyond_model": planned["beyond_model"],
           "solver": best.schedule.solver,
           "n_plans": len(best.attempts),
           "attempts": [dataclasses.asdict(a) for a in best.attempts],

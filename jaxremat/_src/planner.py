@@ -1076,11 +1076,9 @@ class _Loop:
     """
     first = self.first_planning_bytes()
     loose_bytes = int(self.budget_bytes * (1 + _SEGMENT_SLACK))
+    budgets = _positive({self.solver_budget(first), self.solver_budget(loose_bytes)})
     # Per solver, the budgets (in the solvers' graph) to plan within next, in turn.
-    planning = {
-      name: _positive({self.solver_budget(first), self.solver_budget(loose_bytes)})
-      for name in _SEGMENT_SOLVERS
-    }
+    planning = {name: list(budgets) for name in _SEGMENT_SOLVERS}
     limit_s = _SEGMENT_SHARE * self.opts.time_limit / (2 * len(_SEGMENT_SOLVERS))
     plans: dict[str, Schedule] = {}
     while not self.met and self.solves_left() > 1:
