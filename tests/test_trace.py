@@ -22,6 +22,7 @@ from jaxremat._src.xla_memory import (
   device_peak_bytes,
   live_bytes_within,
   peak_bound,
+  waiting_bytes,
   xla_accounted_peak_bytes,
 )
 
@@ -489,6 +490,30 @@ def test_transient_scratch_counts_in_xla_accounted_peak():
   assert peak_bound(g, alias_bytes=3)[0] == xla_accounted_peak_bytes(g, alias_bytes=3) == 119
 
 
+def test_what_xla_made_at_the_start_for_later_equations_counts_in_the_bound():
+  """A node's first computation comes before every node that depends on it: the constants
+  XLA made for those and the buffers it allocated at the start for them are still held
+  then, and the bound counts them (`waiting_bytes`); a node on another branch gets none."""
+  # 0 -> 1 -> 2 -> 3 (output), 1 -> 4: node 3 has 40 bytes of constants, node 2 a buffer
+  # XLA allocates at the start; node 4 depends on neither.
+  g = jaxremat.RematGraph.build(
+    mem=[10, 100, 5, 7, 3],
+    cost=[1] * 5,
+    edges=[(0, 1), (1, 2), (2, 3), (1, 4)],
+    inputs=[0],
+    outputs=[3, 4],
+  )
+  extra = {2: {"allocated_at_start": True}, 3: {"constant_bytes": 40}}
+  g = dataclasses.replace(
+    g,
+    nodes=tuple(dataclasses.replace(n, attrs={**n.attrs, **extra.get(n.id, {})}) for n in g.nodes),
+  )
+  assert waiting_bytes(g) == [45, 45, 40, 40, 0]
+  # Node 1 computes beside the input, both outputs (held throughout), node 2's buffer and
+  # node 3's constants: the baseline's peak, which no schedule goes under.
+  assert peak_bound(g) == (10 + 100 + 7 + 3 + 5 + 40, 1) == (xla_accounted_peak_bytes(g), 1)
+
+
 # -- every dtype as a computed value, not only as an input ---------------------------------
 
 
@@ -536,9 +561,8 @@ def test_computed_values_of_every_dtype(fold):
   assert sum(p.graph.mem[v] for v in out_nodes) <= outs
 
 
-def test_max_pool_gradient_buffers_and_xla_agreement():
-  """A small pooled conv net outside examples/: without the iotas, argmax and zero
-  buffers XLA:CPU makes for `select_and_scatter_add`, the prediction was -64%."""
+def _pooled_net():
+  """A small pooled conv net outside examples/, its value-and-grad and arguments."""
   dn = ("NHWC", "HWIO", "NHWC")
 
   def net(params, x):
@@ -556,7 +580,13 @@ def test_max_pool_gradient_buffers_and_xla_agreement():
     "head": jnp.ones((4 * 4 * 8, 10)) * 0.01,
   }
   x = jax.random.normal(k3, (8, 16, 16, 3))
-  fn = jax.value_and_grad(net)
+  return jax.value_and_grad(net), (params, x)
+
+
+def test_max_pool_gradient_buffers_and_xla_agreement():
+  """A small pooled conv net outside examples/: without the iotas, argmax and zero
+  buffers XLA:CPU makes for `select_and_scatter_add`, the prediction was -64%."""
+  fn, (params, x) = _pooled_net()
   p = trace_program(fn, params, x)
   check_invariants(p)
   nodes = [p.graph.nodes[v] for v in p.graph.order]
@@ -574,6 +604,25 @@ def test_max_pool_gradient_buffers_and_xla_agreement():
   measured = compat.memory_peak_bytes(jax.jit(fn).lower(params, x).compile())
   predicted = xla_accounted_peak_bytes(p.graph)
   assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
+
+
+def test_no_schedule_of_a_pooled_net_holds_less_than_its_bound():
+  """Where XLA makes a max pool's index arrays before the program, the bound counts those
+  of the pools that depend on its node (245 KB of 357 KB here): the baseline and the plans
+  of four solvers at two budgets are at or above it, the least of them within 5%."""
+  if not FACTS.pool_gradient_buffers_at_start:
+    pytest.skip("this backend makes no index arrays for a max pool's gradient")
+  fn, args = _pooled_net()
+  g = trace_program(fn, *args).graph
+  bound_bytes, node = peak_bound(g)
+  assert waiting_bytes(g)[node] > 0
+  peak_bytes = simulate(g, jaxremat.baseline_schedule(g)).peak_bytes
+  schedules = [jaxremat.baseline_schedule(g)]
+  for solver in ("chen-greedy", "chen-sqrtn", "cover", "xla-greedy"):
+    for fraction in (0.95, 0.9):
+      schedules.append(jaxremat.solve(g, int(fraction * peak_bytes), solver, time_limit=2))
+  peaks = [xla_accounted_peak_bytes(g, s) for s in schedules]
+  assert bound_bytes <= min(peaks) <= 1.05 * bound_bytes
 
 
 def test_the_compiler_says_which_values_keep_a_buffer():

@@ -67,6 +67,7 @@ from jaxremat._src.xla_memory import (
   held_apart,
   live_bytes_within,
   peak_bound,
+  waiting_bytes,
   xla_accounted_peak_bytes,
 )
 
@@ -963,10 +964,8 @@ class _Loop:
     )
     ways = "a smaller batch, a sharded step or offloading would."
     if self.beyond_model():
-      node = self.program.graph.node_label(self.bound_node)
       return (
-        f"{step} no plan holds less than {self.model_bound_bytes} bytes: {node} computes "
-        "with its operands and its result live beside the arguments and the outputs, "
+        f"{step} no plan holds less than {self.model_bound_bytes} bytes: {self.bound_reason()}, "
         "whatever the order (a proof in the model, not of the compiler, which may fuse a "
         f"plan otherwise): recomputation alone is not expected to meet this budget; {ways}"
       )
@@ -976,6 +975,20 @@ class _Loop:
       f"{step} the least peak a plan reached is {self.least_peak_bytes} bytes (a search, "
       f"not a proof): recomputation alone is unlikely to meet this budget; {ways}"
     )
+
+  def bound_reason(self) -> str:
+    """What sets `peak_bound`, in words."""
+    graph = self.program.graph
+    if self.bound_node is None:
+      return "XLA holds that before the first equation runs"
+    reason = (
+      f"{graph.node_label(self.bound_node)} computes with its operands and its result live "
+      "beside the arguments and the outputs"
+    )
+    waiting = waiting_bytes(graph)[self.bound_node]
+    if waiting:
+      reason += f" and the {waiting} bytes XLA made at the start for it and what depends on it"
+    return reason
 
   def try_dots_saveable(self) -> None:
     """Once a plan met the budget, the plan of ``jax.checkpoint``'s ``dots_saveable``
