@@ -718,6 +718,10 @@ def test_of_the_plans_that_met_the_budget_the_least_compute_is_handed_out():
   assert least_compute([(8, None, 2.0), (8, None, 1.0)]) == 1  # then the model's duration
 
 
+# `optimize`'s options for the ConvMixer tests: a portfolio without the policy's plan.
+_COVER_ONLY = dict(time_limit=30, progress=False, verify=False, heuristics=("cover",), exact=None)
+
+
 def _conv_mixer():
   """A small ConvMixer's loss (depthwise and pointwise convolutions with GELU and
   residuals) and its arguments."""
@@ -748,15 +752,7 @@ def test_the_dots_saveable_plan_is_compiled_beside_a_plan_that_met_the_budget(tm
   plan 0.2% dearer than the plan that met (XLA:CPU 0.03% cheaper); at 0.8, 2% dearer, and
   it is not compiled."""
   loss, args = _conv_mixer()
-  options = dict(
-    budget=0.56,
-    time_limit=30,
-    cache_dir=tmp_path,
-    progress=False,
-    verify=False,
-    heuristics=("cover",),
-    exact=None,
-  )
+  options = dict(budget=0.56, cache_dir=tmp_path, **_COVER_ONLY)
   plan = jaxremat.optimize(jax.value_and_grad(loss), **options).plan(*args)
   assert [a.origin for a in plan.attempts].count("policy") == 1
   policy = next(a for a in plan.attempts if a.origin == "policy")
@@ -788,14 +784,7 @@ def test_the_policys_plan_goes_first_where_the_model_puts_it_below_the_first_pla
   left out) plans x0.58 of the peak in the model, the policy x0.54 at 1.7% fewer FLOPs;
   at 0.8 the policy's plan is 2% dearer and the solved plan goes first."""
   loss, args = _conv_mixer()
-  options = dict(
-    time_limit=30,
-    use_cache=False,
-    progress=False,
-    verify=False,
-    heuristics=("cover",),
-    exact=None,
-  )
+  options = dict(use_cache=False, **_COVER_ONLY)
   step = jax.value_and_grad(loss)
   plan = jaxremat.optimize(step, budget=0.6, **options).plan(*args)
   assert [(a.origin, a.solver) for a in plan.attempts] == [("policy", "dots-saveable")]

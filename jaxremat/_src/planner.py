@@ -993,9 +993,10 @@ class _Loop:
 
   def try_dots_saveable(self) -> None:
     """Once a plan met the budget, the plan of ``jax.checkpoint``'s ``dots_saveable``
-    policy, where the model puts it within the budget at about a met plan's FLOPs or
-    fewer, and time is left to compile it: the policy users try first is a plan the
-    compiler weighs against the others (`least_compute`). On the ConvMixer step for H100
+    policy, where it was not compiled first (`safer_policy`), the model puts it within the
+    budget at about a met plan's FLOPs or fewer, and time is left to compile it: the
+    policy users try first is a plan the compiler weighs against the others
+    (`least_compute`). On the ConvMixer step for H100
     at 0.7, `auto`'s plan measured x0.677 of the peak at x1.020 FLOPs, and the policy
     x0.641 at x1.018. The model counts a plan's FLOPs within 2% of the compiler on the six
     examples' met plans, and may rank two plans a few tenths of a percent apart the other
