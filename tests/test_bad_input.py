@@ -624,8 +624,12 @@ def test_bad_optimize_call(tmp_path, monkeypatch, make, args, error, fragment):
     (lambda: jaxremat.optimize(_loss, budget=1.0, max_replans=-1), "max_replans=-1"),
     (lambda: jaxremat.optimize(_loss, budget=1.0, time_limit=0), "time_limit=0 must be a positive"),
     (lambda: jaxremat.optimize(_loss, budget=1.0, verify="maybe"), "verify='maybe' must be"),
+    (
+      lambda: jaxremat.optimize(_loss, budget=1.0, solver_options={"exact": None}),
+      "pass the solver's options as keyword arguments",
+    ),
   ],
-  ids=["not callable", "negative max_replans", "zero time_limit", "unknown verify"],
+  ids=["not callable", "negative max_replans", "zero time_limit", "unknown verify", "nested"],
 )
 def test_bad_optimize_arguments_fail_at_once(call, fragment):
   with pytest.raises((TypeError, ValueError), match=fragment):

@@ -156,6 +156,12 @@ def optimize(
   check_model(model)
   if fn is not None and not callable(fn):
     raise TypeError(f"fn={fn!r} is not callable; pass the step function to optimize.")
+  if "solver_options" in solver_options:
+    # Solvers ignore options they do not take: this one would be lost silently.
+    raise TypeError(
+      "solver_options= is not an option of optimize: pass the solver's options as keyword "
+      "arguments, e.g. optimize(fn, budget, heuristics=('cover',), exact=None)."
+    )
   options = PlanOptions(
     budget=budget,
     solver=solver,
