@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import networkx as nx
+
 from jaxremat._src.graph import RematGraph
 from jaxremat._src.simulate import baseline_schedule, simulate
 
@@ -117,16 +119,11 @@ def waiting_bytes(graph: RematGraph) -> list[int]:
   waiting = list(early)
   for v in allocated_at_start(graph):
     early[v] += graph.mem[v]
+  dag = nx.DiGraph(graph.edges)
   for d, size in enumerate(early):
-    if not size:
-      continue
-    stack, seen = list(graph.preds[d]), set()
-    while stack:
-      u = stack.pop()
-      if u not in seen:
-        seen.add(u)
+    if size and d in dag:
+      for u in nx.ancestors(dag, d):
         waiting[u] += size
-        stack.extend(graph.preds[u])
   return waiting
 
 
