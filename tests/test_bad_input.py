@@ -463,6 +463,17 @@ def test_solve_rejects_a_path_for_a_graph():
     jaxremat.solve("g.json", 1.0)
 
 
+def test_solve_rejects_an_option_its_solver_does_not_take():
+  """Solvers take the arguments `solve` passes them all (``**_``); an option none of them
+  names would be dropped, and the solve would run as if it were not there."""
+  graph = RematGraph.from_dict(GRAPH)
+  with pytest.raises(TypeError, match="solver 'moccasin' has no option 'copy'; it takes copies,"):
+    jaxremat.solve(graph, 1.0, solver="moccasin", copy=3)
+  with pytest.raises(TypeError, match="solver 'auto' has no option 'time_limit_s'"):
+    jaxremat.solve(graph, 1.0, time_limit_s=5)  # solve's own is time_limit
+  assert jaxremat.solve(graph, 1.0, solver="moccasin", copies=3).stats["status"]
+
+
 def test_unwritable_output_is_one_line(tmp_path, capsys):
   path = tmp_path / "g.json"
   path.write_text(_graph())
@@ -579,12 +590,6 @@ OPTIMIZE_CASES = [
   (lambda: jaxremat.optimize(_loss, budget="12XB"), (PARAMS, X), BudgetError, "unknown unit"),
   (lambda: jaxremat.optimize(_loss, budget=10), (PARAMS, X), InfeasibleBudgetError, "budget=10"),
   (
-    lambda: jaxremat.optimize(_loss, budget=1.0, solver="nope"),
-    (PARAMS, X),
-    ValueError,
-    "solver='nope' is not a known solver",
-  ),
-  (
     lambda: jaxremat.optimize(_loss, budget=1.0, fence="wall"),
     (PARAMS, X),
     ValueError,
@@ -626,10 +631,28 @@ def test_bad_optimize_call(tmp_path, monkeypatch, make, args, error, fragment):
     (lambda: jaxremat.optimize(_loss, budget=1.0, verify="maybe"), "verify='maybe' must be"),
     (
       lambda: jaxremat.optimize(_loss, budget=1.0, solver_options={"exact": None}),
-      "pass the solver's options as keyword arguments",
+      "solver 'auto' has no option 'solver_options'; it takes exact,",
     ),
+    (
+      lambda: jaxremat.optimize(_loss, budget=1.0, solver="auto", heuristic=("cover",)),
+      "has no option 'heuristic'; it takes exact, exact_options, heuristics",
+    ),
+    (
+      lambda: jaxremat.optimize(_loss, budget=1.0, solver="noremat", copies=3),
+      "solver 'noremat' takes no options; drop copies",
+    ),
+    (lambda: jaxremat.optimize(_loss, budget=1.0, solver="nope"), "solver='nope' is not a known"),
   ],
-  ids=["not callable", "negative max_replans", "zero time_limit", "unknown verify", "nested"],
+  ids=[
+    "not callable",
+    "negative max_replans",
+    "zero time_limit",
+    "unknown verify",
+    "nested",
+    "misspelled option",
+    "option of a solver without options",
+    "unknown solver",
+  ],
 )
 def test_bad_optimize_arguments_fail_at_once(call, fragment):
   with pytest.raises((TypeError, ValueError), match=fragment):

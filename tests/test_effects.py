@@ -31,7 +31,7 @@ X = jnp.linspace(-1.0, 1.0, BATCH * WIDTH, dtype=jnp.float32).reshape(BATCH, WID
 
 def _plan(fn, budget, *args, solver="xla-greedy"):
   """trace -> solve -> emit at ``budget`` (cost model from shapes: fast and deterministic)."""
-  program = jaxremat.trace_program(fn, *args, costs="shape")
+  program = jaxremat.trace_program(fn, *args, costs="shape", model="rules")
   schedule = jaxremat.solve(program.graph, budget, solver=solver, time_limit=10)
   return program, schedule, jaxremat.emit(program, schedule)
 
@@ -114,7 +114,7 @@ def test_effects_run_once_and_in_order_through_trace_solve_emit(capfd):
   host = Host()
   step = _effect_step(host)
   w = _weights()
-  program = jaxremat.trace_program(step, w, X, costs="shape")
+  program = jaxremat.trace_program(step, w, X, costs="shape", model="rules")
   graph = _as_written(program.graph)
   effectful = graph.compute_once_nodes
   names = [graph.nodes[v].attrs["primitive"] for v in effectful]

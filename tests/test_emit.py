@@ -83,7 +83,7 @@ def test_emit_traces_a_function_and_keeps_its_name(mlp):
 
 def test_grad_of_emitted_forward_equals_grad_of_original(mlp):
   _, _, args = mlp
-  program = trace_program(mlp_loss, *args, costs="shape")
+  program = trace_program(mlp_loss, *args, costs="shape", model="rules")
   # Recompute the first two nodes (the first layer's dot and what follows) right away.
   order = list(program.graph.order)
   computes = order[:2] + order[:2] + order[2:]
@@ -260,7 +260,7 @@ def test_fence_waits_for_a_value_xla_cannot_fold():
 
   x = jax.random.normal(jax.random.key(0), (64, 32))
   w = jax.random.normal(jax.random.key(1), (32, 32))
-  program = trace_program(f, x, w, costs="shape")
+  program = trace_program(f, x, w, costs="shape", model="rules")
   graph, eqns = program.graph, program.jaxpr.jaxpr.eqns
   varying = _input_dependent(program)
 
@@ -298,7 +298,7 @@ def test_a_value_without_a_buffer_is_read_from_the_recomputed_copy_of_its_operan
 
   x = jax.random.normal(jax.random.key(0), (64, 64))
   w = jax.random.normal(jax.random.key(1), (64, 64)) / 8.0
-  program = trace_program(f, x, w, costs="shape")
+  program = trace_program(f, x, w, costs="shape", model="rules")
   graph = program.graph
   (d,) = [v for v in graph.order if graph.nodes[v].attrs.get("duplicated")]
   h, first_reader, *chain, last_reader = [v for v in graph.order if v != d]

@@ -44,10 +44,11 @@ def _small_step():
 
 def _small_loops(fraction: float, deadline_s: float):
   """Makes planning loops for `_small_step` at ``fraction`` of its peak, or at a budget
-  in bytes and with the replans given to the loop made."""
+  in bytes and with the replans given to the loop made, in the rules model (the figures
+  of the tests that use them were measured there)."""
   step, args = _small_step()
   signature = call_signature(args, {})
-  program = jaxremat.trace_program(step, *args, signature=signature)
+  program = jaxremat.trace_program(step, *args, signature=signature, model="rules")
   baseline = jaxremat.measure(step, *args, runs=0)
 
   def new_loop(
@@ -297,7 +298,8 @@ def test_a_loop_whose_stored_values_the_step_returns_is_named_when_a_budget_is_m
   original = jaxremat.measure(step, *args, runs=0)
   # Just above what the arguments and outputs take (1 MiB more): no proof rules it out.
   budget = original.argument_bytes + original.output_bytes + 2**20
-  fast = jaxremat.optimize(step, budget=budget, time_limit=20, progress=False)
+  # In the rules model, whose best plan here is short of the budget by less than the loop.
+  fast = jaxremat.optimize(step, budget=budget, time_limit=20, progress=False, model="rules")
   with pytest.raises(jaxremat.BudgetNotMetError) as info:
     fast(*args)
   message = str(info.value)
@@ -456,8 +458,10 @@ def test_the_optimized_step_runs_the_executable_the_planner_compiled(tmp_path):
     f = jaxremat.optimize(step, budget=0.7, time_limit=30, cache_dir=tmp_path, progress=False)
     plan = f.plan(*args)
     assert plan.verification.outputs_match
-    assert compiled["jit(emitted)"] == len(plan.attempts) and compiled["jit(step)"] == 1
-    assert set(compiled) == {"jit(emitted)", "jit(step)", "jit(_perturbed)"}, compiled
+    # The original once: the compile that the compiler's model reads (each equation
+    # under a scope of its own) is also the one that runs it.
+    assert compiled["jit(emitted)"] == len(plan.attempts) and compiled["jit(scoped)"] == 1
+    assert set(compiled) == {"jit(emitted)", "jit(scoped)", "jit(_perturbed)"}, compiled
     got = f(*args)
     assert compiled["jit(emitted)"] == len(plan.attempts)
   finally:
@@ -467,21 +471,21 @@ def test_the_optimized_step_runs_the_executable_the_planner_compiled(tmp_path):
 
 
 def test_the_memory_model_is_the_users_choice(tmp_path):
-  """``model="compiler"`` plans on XLA:CPU in what its compiler keeps of the step, read
-  from the one compile that is also the baseline; a model that does not exist is refused
-  before any call."""
+  """``model="rules"`` plans in XLA:CPU's fusion rules; the default plans in what the
+  target compiler keeps of the step, read from the one compile that is also the
+  baseline; a model that does not exist is refused before any call."""
   step, args = _small_step()
   f = jaxremat.optimize(
-    step, budget=0.7, model="compiler", time_limit=30, cache_dir=tmp_path, progress=False
+    step, budget=0.7, model="rules", time_limit=30, cache_dir=tmp_path, progress=False
   )
   plan = f.plan(*args)
-  assert plan.program.graph.meta["model"] == "compiler"
+  assert plan.program.graph.meta["model"] == "rules" and plan.program.baseline is None
   assert plan.measured_peak_bytes <= plan.budget_bytes and plan.verification.outputs_match
-  assert plan.program.baseline.peak_bytes == plan.baseline_peak_bytes
   # The default model, read from a plan that needs no recomputation.
   auto = jaxremat.optimize(step, budget=1.0, time_limit=30, cache_dir=tmp_path, progress=False)
-  default = "rules" if FACTS.platform == "cpu" else "compiler"
-  assert auto.plan(*args).program.graph.meta["model"] == default
+  program = auto.plan(*args).program
+  assert program.graph.meta["model"] == "compiler"
+  assert program.baseline.peak_bytes == auto.plan(*args).baseline_peak_bytes
   with pytest.raises(ValueError, match="model='guess' is not a memory model"):
     jaxremat.optimize(step, budget=0.7, model="guess")
 
@@ -583,6 +587,24 @@ def test_replanning_goes_below_the_failed_plans_own_peak():
   margin = int(_REPLAN_MARGIN * budget)
   assert next_planning_budget(budget, predicted, measured, budget) == (
     predicted - (measured - budget) - margin
+  )
+
+
+def test_a_plan_the_model_counted_exactly_is_planned_again_at_the_budget_without_a_margin():
+  """The MLP example on XLA:CPU at 0.7 in the compiler's model: the first plan, within the
+  first planning budget's credit (the model counts the original 1 MiB over XLA), was
+  predicted and measured 31.72 MB against a 31.01 MB budget. The margin for the model's
+  error would take the next plan below 30.4 MB, under every plan the search reaches in
+  seconds; no larger than the model's 892-byte error, it is made within the budget less
+  twice that error, and met."""
+  planning, predicted, measured, budget = 32_060_227, 31_719_828, 31_720_720, 31_012_543
+  error = measured - predicted
+  # What XLA added to this plan, and a margin of as much again.
+  assert next_planning_budget(planning, predicted, measured, budget) == budget - 2 * error
+  # Off by more than the margin, the whole margin still applies.
+  off = 2 * int(_REPLAN_MARGIN * budget)
+  assert next_planning_budget(planning, predicted - off, measured, budget) == (
+    budget - error - off - int(_REPLAN_MARGIN * budget)
   )
 
 
@@ -719,8 +741,11 @@ def test_of_the_plans_that_met_the_budget_the_least_compute_is_handed_out():
   assert least_compute([(8, None, 2.0), (8, None, 1.0)]) == 1  # then the model's duration
 
 
-# `optimize`'s options for the ConvMixer tests: a portfolio without the policy's plan.
-_COVER_ONLY = dict(time_limit=30, progress=False, verify=False, heuristics=("cover",), exact=None)
+# `optimize`'s options for the ConvMixer tests: a portfolio without the policy's plan, in the
+# rules model their figures were measured in.
+_COVER_ONLY = dict(
+  time_limit=30, progress=False, verify=False, model="rules", heuristics=("cover",), exact=None
+)
 
 
 def _conv_mixer():
@@ -803,7 +828,7 @@ def test_a_policy_plan_the_compiler_counts_dearer_than_the_model_does_not_end_th
   loss, args = _conv_mixer()
   step = jax.value_and_grad(loss)
   signature = call_signature(args, {})
-  program = jaxremat.trace_program(step, *args, signature=signature)
+  program = jaxremat.trace_program(step, *args, signature=signature, model="rules")
   baseline = jaxremat.measure(step, *args, runs=0)
   opts = PlanOptions(budget=0.6, time_limit=60.0, target=get_target(None), progress=False)
   budget_bytes = int(0.6 * baseline.peak_bytes)
@@ -824,7 +849,7 @@ def test_beside_a_met_plan_the_policys_plan_over_the_budget_in_the_model_is_not_
   loss, args = _conv_mixer()
   step = jax.value_and_grad(loss)
   signature = call_signature(args, {})
-  program = jaxremat.trace_program(step, *args, signature=signature)
+  program = jaxremat.trace_program(step, *args, signature=signature, model="rules")
   baseline = jaxremat.measure(step, *args, runs=0)
   opts = PlanOptions(
     budget=0.56,
@@ -857,7 +882,7 @@ def test_once_a_plan_met_the_time_kept_back_is_verifications_and_the_policys():
   loss, args = _conv_mixer()
   step = jax.value_and_grad(loss)
   signature = call_signature(args, {})
-  program = jaxremat.trace_program(step, *args, signature=signature)
+  program = jaxremat.trace_program(step, *args, signature=signature, model="rules")
   baseline = dataclasses.replace(jaxremat.measure(step, *args, runs=0), compile_time_s=10.0)
   opts = PlanOptions(
     budget=0.56,
@@ -887,6 +912,7 @@ def test_a_segment_planners_least_peak_plan_within_the_planning_budget_is_compil
     pytest.skip("this backend makes no index arrays for a max pool's gradient")
   module = examples.load("unet")
   step, args = _common.make_train_step(module.loss, *_common.example_args(module))
-  plan = jaxremat.optimize(step, budget=0.7, time_limit=10, use_cache=False).plan(*args)
+  fast = jaxremat.optimize(step, budget=0.7, time_limit=10, use_cache=False, model="rules")
+  plan = fast.plan(*args)
   assert plan.measured_peak_bytes <= plan.budget_bytes
   assert [a.solver in _SEGMENT_SOLVERS for a in plan.attempts] == [True]

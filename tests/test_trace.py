@@ -124,7 +124,7 @@ def _calls(x):
 def test_call_primitives_are_inlined(grad):
   fn = jax.value_and_grad(_calls) if grad else _calls
   x = jnp.arange(16.0).reshape(4, 4) / 16
-  p = trace_program(fn, x)
+  p = trace_program(fn, x, model="rules")
   assert not primitives(p) & compat.INLINE_PRIMITIVES
   check_invariants(p)
   assert_trees_allclose(p(x), fn(x))
@@ -181,7 +181,7 @@ def test_scan_while_cond_are_single_nodes():
 
   x = jnp.ones((7, 5, 3))
   for fn in (f, jax.grad(f)):
-    p = trace_program(fn, x)
+    p = trace_program(fn, x, model="rules")
     check_invariants(p)
     assert_trees_allclose(p(x), fn(x))
     by_prim = {}
@@ -193,7 +193,7 @@ def test_scan_while_cond_are_single_nodes():
         assert len(p.node_eqns[v]) == 1
         assert p.graph.nodes[v].attrs["internal_bytes"] > 0
   # In the gradient the forward scan keeps its stacked residuals: [7, 5, 3] f32 each.
-  p = trace_program(jax.grad(f), x)
+  p = trace_program(jax.grad(f), x, model="rules")
   fwd_scan = by_prim_first(p, "scan")
   assert p.graph.mem[fwd_scan] >= 7 * 5 * 3 * 4
 
@@ -293,7 +293,7 @@ def test_the_rules_model_runs_the_step_in_an_order_that_holds_little():
   every layer's gradient until the updates at its end (x1.5 of XLA:CPU's peak on this
   MLP); the rules model's graph runs in the order that holds least, as XLA runs it."""
   step, args = make_mlp_step(depth=8, width=128, batch=1024)
-  program = trace_program(step, *args)
+  program = trace_program(step, *args, model="rules")
   graph = program.graph
   measured = jaxremat.measure(step, *args, runs=0).peak_bytes
   predicted = xla_accounted_peak_bytes(graph)
@@ -334,8 +334,8 @@ def test_convolution_gradient_gets_transient_scratch():
 
   w, x = jnp.ones((3, 3, 4, 8)), jnp.ones((2, 8, 8, 4))
   fn = jax.grad(loss)
-  with_scratch = trace_program(fn, w, x, workspace=True)
-  without = trace_program(fn, w, x)
+  with_scratch = trace_program(fn, w, x, workspace=True, model="rules")
+  without = trace_program(fn, w, x, model="rules")
   check_invariants(with_scratch)
   check_invariants(without)
   scratch = [n for n in with_scratch.graph.nodes if n.attrs["primitive"] == "workspace"]
@@ -370,7 +370,7 @@ def test_attention_fusion_rules_and_xla_agreement():
   keys = jax.random.split(jax.random.key(1), 3)
   args = [jax.random.normal(kk, (b, t, h, d)) * 0.3 for kk in keys]
   fn = jax.value_and_grad(_attention_stack, argnums=(0, 1, 2))
-  p = trace_program(fn, *args)
+  p = trace_program(fn, *args, model="rules")
   check_invariants(p)
   nodes = [p.graph.nodes[v] for v in p.graph.order]
   # The softmax gradient's `g @ v^T`, which XLA:CPU fuses with its elementwise/reduce
@@ -425,7 +425,7 @@ def test_batch_norm_relu6_keeps_what_xla_keeps():
   ]
   x = jax.random.normal(keys[-1], (8, 16, 16, c))
   fn = jax.value_and_grad(_norm_relu6_stack)
-  p = trace_program(fn, params, x)
+  p = trace_program(fn, params, x, model="rules")
   check_invariants(p)
   full = [8, 16, 16, c]
   nodes = [p.graph.nodes[v] for v in p.graph.order]
@@ -587,7 +587,7 @@ def test_max_pool_gradient_buffers_and_xla_agreement():
   """A small pooled conv net outside examples/: without the iotas, argmax and zero
   buffers XLA:CPU makes for `select_and_scatter_add`, the prediction was -64%."""
   fn, (params, x) = _pooled_net()
-  p = trace_program(fn, params, x)
+  p = trace_program(fn, params, x, model="rules")
   check_invariants(p)
   nodes = [p.graph.nodes[v] for v in p.graph.order]
   pools = [n for n in nodes if n.attrs["primitive"] == "reduce_window_max"]
@@ -613,7 +613,7 @@ def test_no_schedule_of_a_pooled_net_holds_less_than_its_bound():
   if not FACTS.pool_gradient_buffers_at_start:
     pytest.skip("this backend makes no index arrays for a max pool's gradient")
   fn, args = _pooled_net()
-  g = trace_program(fn, *args).graph
+  g = trace_program(fn, *args, model="rules").graph
   bound_bytes, node = peak_bound(g)
   assert waiting_bytes(g)[node] > 0
   peak_bytes = simulate(g, jaxremat.baseline_schedule(g)).peak_bytes
@@ -639,9 +639,8 @@ def test_the_compiler_says_which_values_keep_a_buffer():
   assert sorted(k for g in compiled.node_eqns for k in g) == list(range(len(compiled.jaxpr.eqns)))
   # Tracing compiled the step: its figures are the step's own, and what optimize starts from.
   assert compiled.baseline.peak_bytes == measured and rules.baseline is None
-  # The default: the rules on XLA:CPU, the compiler on a GPU or TPU, here or not.
-  default = jaxremat.trace_program(step, *args, costs="shape").graph.meta["model"]
-  assert default == ("rules" if FACTS.platform == "cpu" else "compiler")
+  # The default on every target, here or not: the step is at hand, and its compiler.
+  assert jaxremat.trace_program(step, *args, costs="shape").graph.meta["model"] == "compiler"
   with pytest.raises(ValueError, match="memory model"):
     jaxremat.trace_program(step, *args, model="guess")
 

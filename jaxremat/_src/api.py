@@ -17,7 +17,7 @@ from jaxremat._src.errors import UnsupportedError
 from jaxremat._src.planner import Plan, PlanOptions, make_plan
 from jaxremat._src.report import Report, make_report
 from jaxremat._src.signature import call_signature, jit_options
-from jaxremat._src.solvers.base import Progress
+from jaxremat._src.solvers.base import Progress, check_options
 from jaxremat._src.targets import Target
 from jaxremat._src.trace import check_model
 
@@ -126,10 +126,9 @@ def optimize(
       host. The step that is returned runs on this machine.
     model: the memory model plans are made in (`jaxremat.trace_program`): ``"rules"``
       (XLA:CPU's fusion rules), ``"compiler"`` (what the target compiler keeps of the
-      step, read from its optimized program), or ``"auto"``: the rules on XLA:CPU for a
-      step on one device that computes in float32 or wider, the compiler's elsewhere.
-      The compiler's is closer on steps the rules were not written for
-      (benchmarks/README.md, "The compiler's model").
+      step, read from its optimized program), or ``"auto"``: the compiler's. The rules
+      were written for six float32 steps; the compiler's is closer on steps they were
+      not written for (benchmarks/README.md, "The compiler's model").
     **solver_options: passed to the solver.
 
   Returns:
@@ -156,12 +155,7 @@ def optimize(
   check_model(model)
   if fn is not None and not callable(fn):
     raise TypeError(f"fn={fn!r} is not callable; pass the step function to optimize.")
-  if "solver_options" in solver_options:
-    # Solvers ignore options they do not take: this one would be lost silently.
-    raise TypeError(
-      "solver_options= is not an option of optimize: pass the solver's options as keyword "
-      "arguments, e.g. optimize(fn, budget, heuristics=('cover',), exact=None)."
-    )
+  check_options(solver, solver_options)
   options = PlanOptions(
     budget=budget,
     solver=solver,

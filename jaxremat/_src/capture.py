@@ -31,14 +31,6 @@ def value_dtypes(jaxpr: Any) -> set[Any]:
   return dtypes
 
 
-def computes_below_float32(jaxpr: Any) -> bool:
-  """Whether an open ``jaxpr`` computes any value in a float narrower than float32."""
-  return any(
-    jax.numpy.issubdtype(d, jax.numpy.floating) and jax.numpy.finfo(d).bits < 32
-    for d in value_dtypes(jaxpr)
-  )
-
-
 # -- inlining ----------------------------------------------------------------------------
 
 

@@ -48,7 +48,7 @@ from jaxremat._src.hlo_text import (
   on_chip_peak,
   partitions,
 )
-from jaxremat._src.measure import Measurement, measure
+from jaxremat._src.measure import Measurement, compile_and_measure
 from jaxremat._src.targets import Target
 
 _SCOPE: Final = "jaxremat_eqn"
@@ -89,6 +89,7 @@ class CompiledValues:
   # they read is made (a max pool gradient's argmax, where the pool's input is made)
   constants_for: dict[int, tuple[int, frozenset[int]]] = dataclasses.field(default_factory=dict)
   measurement: Measurement | None = None  # the compiler's figures for the program
+  executable: Any = None  # the program compiled (``jax.jit``'s ``Compiled``)
   partitions: int = 1  # devices the step is partitioned over; sizes are one device's
   collective_bytes: dict[int, int] = dataclasses.field(default_factory=dict)  # equation ->
   # the bytes each device sends for the collectives the partitioner made for it
@@ -134,7 +135,9 @@ def compiled_values(
     return [read(v) for v in jaxpr.outvars]
 
   specs = specs or [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-  measured = measure(scoped, *specs, runs=0, donate_argnums=donate_argnums, target=target)
+  executable, measured = compile_and_measure(
+    scoped, *specs, donate_argnums=donate_argnums, target=target
+  )
   equations = {
     k: (eqn.primitive.name, min(math.prod(v.aval.shape) for v in eqn.outvars))
     for k, eqn in zip(scopes, jaxpr.eqns)
@@ -142,7 +145,10 @@ def compiled_values(
   }
   values = values_in_hlo(measured.hlo_text, len(jaxpr.invars), equations)
   return dataclasses.replace(
-    values, measurement=measured, collective_bytes=collective_bytes(measured.hlo_text)
+    values,
+    measurement=measured,
+    executable=executable,
+    collective_bytes=collective_bytes(measured.hlo_text),
   )
 
 

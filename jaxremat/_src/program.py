@@ -60,6 +60,9 @@ class Program:
       tracing compiled it (``model="compiler"``); else None.
     loops: the loops that store less for the backward pass than the step as written
       (`loops.shed_residuals`): what each stores and recomputes.
+    executable: the compile that gave ``baseline`` (the step, each equation under a
+      `jax.named_scope` of its own), which runs as the step does on the flat inputs; else
+      None.
   """
 
   jaxpr: Any
@@ -70,6 +73,7 @@ class Program:
   outputs: OutputSplit | None = None
   baseline: Measurement | None = None
   loops: tuple[LoopRewrite, ...] = ()
+  executable: Any = dataclasses.field(default=None, compare=False, repr=False)
 
   @property
   def dynamic_mask(self) -> tuple[bool, ...]:
@@ -345,6 +349,7 @@ def build_program(
     signature=signature,
     outputs=output_split,
     baseline=None if compiled is None else compiled.measurement,
+    executable=None if compiled is None else compiled.executable,
   )
 
 

@@ -12,7 +12,7 @@ from jaxremat._src.errors import InfeasibleBudgetError, NoScheduleFoundError, So
 from jaxremat._src.graph import RematGraph
 from jaxremat._src.schedule import Schedule, keep_first_copies
 from jaxremat._src.simulate import baseline_schedule, simulate
-from jaxremat._src.solvers.base import ProgressCallback, get_solver
+from jaxremat._src.solvers.base import ProgressCallback, check_options, get_solver
 
 
 def tdi_percent(duration: float, baseline_duration: float) -> float:
@@ -77,6 +77,7 @@ def solve(
   if workers is not None and not (isinstance(workers, int) and workers >= 1):
     raise ValueError(f"workers={workers!r} must be a positive count of threads, or None for all.")
   workers = workers or os.cpu_count() or 1
+  check_options(solver, options)
   once = graph.compute_once_nodes
   start = time.perf_counter()
   try:

@@ -24,7 +24,6 @@ import jax
 
 from jaxremat._src import compat, hlo_model, jaxpr_text
 from jaxremat._src.capture import (
-  computes_below_float32,
   drop_unread,
   flatten_jaxpr,
   merge_repeats,
@@ -101,10 +100,9 @@ def trace_program(
       optimized HLO of the step, a
       compile that also gives `Program.baseline`, `hlo_model`: which values it keeps,
       their bytes as the target lays them out, its scratch copies, and its schedule's
-      order as the graph's); ``"auto"``: the rules on XLA:CPU, for which they were
-      written, but for a step that computes in a float narrower than float32 or is
-      partitioned over a mesh, and the compiler on a GPU or TPU, with or without its
-      devices here.
+      order as the graph's); ``"auto"``: the compiler's, on every target, with or
+      without its devices here (the rules are for a printed jaxpr without its program,
+      `jaxremat.analyze`).
     shed_loop_bytes: bytes the step's differentiated `scan` loops store for the backward
       pass that the program stores less (`loops.shed_residuals`: each iteration stores
       other values of its body and the backward pass recomputes the rest from them, at
@@ -150,14 +148,10 @@ def trace_program(
   except jax.errors.ConcretizationTypeError as e:
     raise UnsupportedError(MSG_CONCRETE.format(name=fn_name, error=str(e).splitlines()[0])) from e
   if model == "auto":
-    # On a real H100 the rules put the MLP example's plan at 0.7 at 29.50 MiB, where its
-    # compiler measured 32.30 (benchmarks/README.md, "On a real GPU"). The rules know one
-    # device: a step partitioned over a mesh holds what its compiled program says. They
-    # were measured on float32 steps: XLA:CPU computes bfloat16 arithmetic in float32 and
-    # converts it for storage (a bfloat16 Llama-style decoder's step: x0.70 of XLA's
-    # peak in the rules, x0.99 in the compiler's model).
-    rules = not (signature.partitioned or computes_below_float32(traced.jaxpr))
-    model = "rules" if target.platform == "cpu" and rules else "compiler"
+    # The step is at hand, so its compiler says what it keeps. The rules were fitted to
+    # six float32 steps on XLA:CPU: on six steps outside them they count XLA:CPU's peak
+    # 12-24% under on four, the compiler's model within 10% on four (benchmarks/zoo.py).
+    model = "compiler"
   flat, rewrites = shed_residuals(
     drop_unread(flatten_jaxpr(traced)),
     shed_loop_bytes,
@@ -223,8 +217,8 @@ def trace(fn: Callable, *args, **kwargs) -> RematGraph:
   Example:
     >>> import jax.numpy as jnp, jaxremat
     >>> g = jaxremat.trace(lambda x: jnp.tanh(x @ x) @ x, jnp.ones((8, 8)), costs="shape")
-    >>> g.n, len(g.inputs), g.mem[g.order[0]]
-    (3, 1, 256)
+    >>> g.n, len(g.inputs), g.mem[g.order[0]]  # x; x @ x, its tanh and the product kept
+    (4, 1, 256)
   """
   return trace_program(fn, *args, **kwargs).graph
 

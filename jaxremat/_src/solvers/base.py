@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from jaxremat._src.graph import RematGraph
@@ -96,6 +97,27 @@ def register_solver(name: str, target: str) -> None:
 def available_solvers() -> list[str]:
   """The names `jaxremat.solve` accepts."""
   return sorted(_REGISTRY)
+
+
+# What `jaxremat.solve` passes every solver itself; not options a caller names.
+_PASSED_BY_SOLVE = frozenset({"time_limit_s", "workers", "progress"})
+
+
+def check_options(name: str, options: Mapping[str, Any]) -> None:
+  """Raises TypeError naming the first of ``options`` that solver ``name`` does not take.
+
+  Solvers take ``**_`` so that `jaxremat.solve` can pass them all the same arguments: a
+  misspelled option would otherwise be dropped without a word."""
+  params = inspect.signature(get_solver(name)).parameters.values()
+  taken = {p.name for p in params if p.kind is p.KEYWORD_ONLY} - _PASSED_BY_SOLVE
+  unknown = sorted(set(options) - taken)
+  if unknown and not taken:
+    raise TypeError(f"solver {name!r} takes no options; drop {', '.join(unknown)}.")
+  if unknown:
+    raise TypeError(
+      f"solver {name!r} has no option {unknown[0]!r}; it takes {', '.join(sorted(taken))}, "
+      f"each as a keyword argument (e.g. solver='auto', heuristics=('cover',), exact=None)."
+    )
 
 
 def get_solver(name: str) -> Solver:
