@@ -42,14 +42,18 @@ def _small_step():
   return make_mlp_step(depth=8, width=128, batch=1024)
 
 
-def _small_loops(fraction: float, deadline_s: float):
-  """Makes planning loops for `_small_step` at ``fraction`` of its peak, or at a budget
-  in bytes and with the replans given to the loop made, in the rules model (the figures
-  of the tests that use them were measured there)."""
-  step, args = _small_step()
+def _in_rules(step, args):
+  """``step``'s call signature, its program in the rules model (the figures of the tests
+  that use it were measured there) and XLA's measurement of it."""
   signature = call_signature(args, {})
   program = jaxremat.trace_program(step, *args, signature=signature, model="rules")
-  baseline = jaxremat.measure(step, *args, runs=0)
+  return signature, program, jaxremat.measure(step, *args, runs=0)
+
+
+def _small_loops(fraction: float, deadline_s: float):
+  """Makes planning loops for `_small_step` at ``fraction`` of its peak, or at a budget
+  in bytes and with the replans given to the loop made, in the rules model (`_in_rules`)."""
+  signature, program, baseline = _in_rules(*_small_step())
 
   def new_loop(
     budget_bytes=int(fraction * baseline.peak_bytes), max_replans=PlanOptions.max_replans
@@ -827,9 +831,7 @@ def test_a_policy_plan_the_compiler_counts_dearer_than_the_model_does_not_end_th
   the hand rules; the same plan counted 10% dearer would not end the search."""
   loss, args = _conv_mixer()
   step = jax.value_and_grad(loss)
-  signature = call_signature(args, {})
-  program = jaxremat.trace_program(step, *args, signature=signature, model="rules")
-  baseline = jaxremat.measure(step, *args, runs=0)
+  signature, program, baseline = _in_rules(step, args)
   opts = PlanOptions(budget=0.6, time_limit=60.0, target=get_target(None), progress=False)
   budget_bytes = int(0.6 * baseline.peak_bytes)
   loop = _Loop(program, signature, budget_bytes, opts, _Deadline(60.0), baseline)
@@ -848,9 +850,7 @@ def test_beside_a_met_plan_the_policys_plan_over_the_budget_in_the_model_is_not_
   budget and the credit set about the policy's peak once a plan met."""
   loss, args = _conv_mixer()
   step = jax.value_and_grad(loss)
-  signature = call_signature(args, {})
-  program = jaxremat.trace_program(step, *args, signature=signature, model="rules")
-  baseline = jaxremat.measure(step, *args, runs=0)
+  signature, program, baseline = _in_rules(step, args)
   opts = PlanOptions(
     budget=0.56,
     time_limit=120.0,
@@ -881,9 +881,8 @@ def test_once_a_plan_met_the_time_kept_back_is_verifications_and_the_policys():
   four do not."""
   loss, args = _conv_mixer()
   step = jax.value_and_grad(loss)
-  signature = call_signature(args, {})
-  program = jaxremat.trace_program(step, *args, signature=signature, model="rules")
-  baseline = dataclasses.replace(jaxremat.measure(step, *args, runs=0), compile_time_s=10.0)
+  signature, program, measured = _in_rules(step, args)
+  baseline = dataclasses.replace(measured, compile_time_s=10.0)
   opts = PlanOptions(
     budget=0.56,
     time_limit=300.0,
