@@ -44,6 +44,7 @@ original's peak and x1.029 (38 tanh where the policy has 32).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -57,6 +58,7 @@ from jax import lax
 from jaxremat._src import compat
 from jaxremat._src.backends import backend_facts
 from jaxremat._src.errors import UnsupportedError
+from jaxremat._src.hlo_model import EQUATION_SCOPE
 from jaxremat._src.schedule import Schedule
 from jaxremat._src.simulate import simulate
 
@@ -98,6 +100,7 @@ def emit(
   pin: str = "all",
   backend: str | None = None,
   fold: bool = True,
+  scoped: bool = False,
   **example_kwargs: Any,
 ) -> Callable[..., Any]:
   """A function that runs ``schedule``: same signature and pytrees as the original.
@@ -117,6 +120,9 @@ def emit(
     backend: the backend ``"auto"`` chooses for (default: JAX's default backend).
     fold: passed to `trace_program` when tracing a function; it must match the graph
       the schedule was planned on.
+    scoped: each equation under the `jax.named_scope` that names it in the compiler's
+      model (`hlo_model`), so that the compiled program's instructions map back to the
+      program's equations (`pinned.pinned_original`).
     **example_kwargs: example keyword arguments (only used to trace a function).
 
   Returns:
@@ -155,7 +161,7 @@ def emit(
   runs = plan_runs(program, schedule, fence=fence, pin=pin, inlined=inlined)
 
   def emitted(*args: Any, **kwargs: Any) -> Any:
-    return _Evaluator(program, inlined).execute(runs, fence, pin, *args, **kwargs)
+    return _Evaluator(program, inlined, scoped).execute(runs, fence, pin, *args, **kwargs)
 
   if fn is not None:
     functools.update_wrapper(emitted, fn)
@@ -513,8 +519,8 @@ class _Evaluator:
   operands would be merged by XLA anyway, and the traced program stays as small.
   """
 
-  def __init__(self, program: Any, inlined: Sequence[tuple[int, ...] | None]):
-    self.program, self.inlined = program, inlined
+  def __init__(self, program: Any, inlined: Sequence[tuple[int, ...] | None], scoped: bool):
+    self.program, self.inlined, self.scoped = program, inlined, scoped
     self.outer_stack = compat.current_name_stack()
     self.reads: dict[int, list[Any]] = {}  # inlined node -> the vars it reads
     self.last: dict[int, tuple[list[Any], list[Any]]] = {}  # inlined node -> operands, outputs
@@ -530,9 +536,10 @@ class _Evaluator:
       if run.trigger is None:
         self.eval_nodes(run.nodes, env)
       elif fence in _ROUTING_FENCES:
-        env[run.trigger], routed = apply_fence(
-          fence, env[run.trigger], [env[x] for x in run.routed]
-        )
+        with self.scope(program.node_eqns[run.nodes[0]][-1]):
+          env[run.trigger], routed = apply_fence(
+            fence, env[run.trigger], [env[x] for x in run.routed]
+          )
         # After a cond, later readers read the routed copy, so the original can die at the
         # fence; so they do after any fence with ``pin="checkpoint"``. Otherwise a select
         # is only read by the run: XLA fuses it into later readers, which would then keep
@@ -585,11 +592,16 @@ class _Evaluator:
     self.eval_eqns(eqn_ids, env)
     self.last[u] = (operands, [env[x] for x in outvars])
 
+  def scope(self, i: int) -> Any:
+    """Where ``scoped``, the scope that names equation ``i``; a fence is named after the
+    first node it fences for, which reads what it passes."""
+    return jax.named_scope(f"{EQUATION_SCOPE}{i}") if self.scoped else contextlib.nullcontext()
+
   def eval_eqns(self, eqn_ids: Sequence[int], env: dict) -> None:
     eqns = self.program.jaxpr.jaxpr.eqns
     for i in eqn_ids:
       eqn = eqns[i]
-      with compat.user_context(eqn, self.outer_stack), compat.eqn_ctx_manager(eqn):
+      with compat.user_context(eqn, self.outer_stack), compat.eqn_ctx_manager(eqn), self.scope(i):
         outs = eqn.primitive.bind(*[_read(env, x) for x in eqn.invars], **compat.bind_params(eqn))
       if not eqn.primitive.multiple_results:
         outs = [outs]

@@ -51,9 +51,10 @@ from jaxremat._src.hlo_text import (
 from jaxremat._src.measure import Measurement, compile_and_measure
 from jaxremat._src.targets import Target
 
-_SCOPE: Final = "jaxremat_eqn"
-_SCOPED = re.compile(_SCOPE + r"(\d+)")
-_STEP = re.compile(_SCOPE + r"\d+/([^/\"]+)")
+# The scope each equation is compiled under, in the model and in `emit(..., scoped=True)`.
+EQUATION_SCOPE: Final = "jaxremat_eqn"
+_SCOPED = re.compile(EQUATION_SCOPE + r"(\d+)")
+_STEP = re.compile(EQUATION_SCOPE + r"\d+/([^/\"]+)")
 _CALLS = re.compile(r"calls=%([\w.-]+)")
 # Instructions that hold no buffer of their own.
 _NO_BUFFER: Final = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "constant"})
@@ -128,7 +129,7 @@ def compiled_values(
       return v.val if isinstance(v, compat.Literal) else env[v]
 
     for k, eqn in zip(scopes, jaxpr.eqns, strict=True):
-      with jax.named_scope(f"{_SCOPE}{k}"):
+      with jax.named_scope(f"{EQUATION_SCOPE}{k}"):
         outs = eqn.primitive.bind(*map(read, eqn.invars), **compat.bind_params(eqn))
       outs = outs if eqn.primitive.multiple_results else [outs]
       env.update(zip(eqn.outvars, outs, strict=True))
@@ -138,18 +139,28 @@ def compiled_values(
   executable, measured = compile_and_measure(
     scoped, *specs, donate_argnums=donate_argnums, target=target
   )
-  equations = {
-    k: (eqn.primitive.name, min(math.prod(v.aval.shape) for v in eqn.outvars))
-    for k, eqn in zip(scopes, jaxpr.eqns)
-    if eqn.outvars
-  }
-  values = values_in_hlo(measured.hlo_text, len(jaxpr.invars), equations)
+  values = values_in_hlo(measured.hlo_text, len(jaxpr.invars), _equations(jaxpr, scopes))
   return dataclasses.replace(
     values,
     measurement=measured,
     executable=executable,
     collective_bytes=collective_bytes(measured.hlo_text),
   )
+
+
+def scoped_values(hlo: str, jaxpr: Any) -> CompiledValues:
+  """`values_in_hlo` of the optimized ``hlo`` of flat ``jaxpr``'s equations, each compiled
+  under the scope of its index (`emit(..., scoped=True)`)."""
+  return values_in_hlo(hlo, len(jaxpr.invars), _equations(jaxpr, range(len(jaxpr.eqns))))
+
+
+def _equations(jaxpr: Any, scopes: Any) -> dict[int, tuple[str, int]]:
+  """Per scoped equation, its primitive and the elements of its smallest output."""
+  return {
+    k: (eqn.primitive.name, min(math.prod(v.aval.shape) for v in eqn.outvars))
+    for k, eqn in zip(scopes, jaxpr.eqns)
+    if eqn.outvars
+  }
 
 
 def collective_bytes(hlo: str) -> dict[int, int]:

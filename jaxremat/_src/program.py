@@ -175,7 +175,7 @@ def build_program(
   remakes: dict[int, list[int]] = {}
   if compiled is not None:
     _add_compiled_reads(edges, node_of, compiled.read_for)
-    remakes = _remade_reads(edges, node_of, compiled)
+    remakes = remade_reads(edges, node_of, compiled)
   # XLA recomputes a duplicated value inside each reader's fusion: its operands, not
   # the value, stay live until the last reader. In root order, so that the sources of a
   # chain of duplicated values reach the readers at its end.
@@ -405,7 +405,7 @@ def _add_compiled_reads(
         reach.add_edge(u, w)
 
 
-def _remade_reads(
+def remade_reads(
   edges: set[tuple[int, int]], node_of: dict[int, int], compiled: hlo_model.CompiledValues
 ) -> dict[int, list[int]]:
   """A node whose compiled instructions compute a kept value again from its operands,
