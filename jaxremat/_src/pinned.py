@@ -30,7 +30,7 @@ from jaxremat._src.emit import emit
 from jaxremat._src.fusion import FUSIBLE_PRIMITIVES
 from jaxremat._src.graph import RematGraph
 from jaxremat._src.measure import Measurement, compile_and_measure
-from jaxremat._src.program import Program, remade_reads
+from jaxremat._src.program import Program, read_through, remade_reads
 from jaxremat._src.signature import CallSignature, FlatStep
 from jaxremat._src.simulate import baseline_schedule
 from jaxremat._src.targets import Target
@@ -103,9 +103,7 @@ def pinned_graph(program: Program, values: hlo_model.CompiledValues) -> RematGra
       or values.kept.intersection(program.node_eqns[d])
     ):
       continue
-    sources = [u for u, w in edges if w == d]
-    sinks = [w for u, w in edges if u == d]
-    edges.update((u, w) for u in sources for w in sinks)
+    sinks = read_through(edges, d)
     attrs = {**nodes[d].attrs, "remade_when_pinned": True}
     if elementwise(d):
       for w in sinks:

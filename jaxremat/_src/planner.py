@@ -363,7 +363,7 @@ def make_plan(
   if not loop.as_planned(best):
     logger.warning(
       MSG_UNPLANNED_COLLECTIVES.format(
-        mib=best.unplanned_sent_bytes / 2**20, step_mib=loop.baseline_sent_bytes / 2**20
+        mib=best.unplanned_sent_bytes / 2**20, step_mib=loop.baseline.sent_bytes / 2**20
       )
     )
   verification = (
@@ -752,7 +752,7 @@ class _Loop:
     self.program = program
     self.alias_bytes = baseline.alias_bytes
     self.on_chip_bytes = program.graph.meta.get("on_chip_bytes", 0)
-    self.baseline = baseline
+    self.baseline = baseline  # the compiler's figures for ``program`` as written
     if pinned is None:
       self.plan_on(program, baseline)
     else:
@@ -774,9 +774,6 @@ class _Loop:
     self.least_peak_tried = False
     self.least_peak_bytes: int | None = None  # of `try_least_peak`'s plan in the model
     self.policy_tried = False  # the plan of `dots_saveable` was compiled (or need not be)
-    self.baseline_hlo = baseline.hlo_text
-    self.baseline_flops = baseline.flops
-    self.baseline_sent_bytes = baseline.sent_bytes
     # Seconds kept back for compiling and verifying a plan and for the policy's plan, from
     # the original's compile.
     compile_s = max(baseline.compile_time_s, 0.05)
@@ -804,6 +801,11 @@ class _Loop:
     # No plan holds less in the model, and the node whose compute sets it (`beyond_model`).
     self.model_bound_bytes, self.bound_node = peak_bound(self.graph, self.alias_bytes)
 
+  @property
+  def pinned(self) -> bool:
+    """Whether plans are made on the pinned graph (`plan_on`)."""
+    return self.graph is not self.program.graph
+
   def misjudged_pinned(self, tried: _Tried) -> bool:
     """Where plans are made on the pinned graph: whether XLA measured this plan over the
     budget by more beyond that model than a fence explains (`kept_shape`). The next plans
@@ -812,7 +814,7 @@ class _Loop:
     it (the copies its recomputations' fences make), and the GPT example's at 0.5 realized
     a third less than the saving it was credited with, where the step's graph met both."""
     return (
-      self.graph is not self.program.graph
+      self.pinned
       and not tried.met
       and tried.attempt.pin == "all"
       and not self.kept_shape(tried.attempt)
@@ -824,12 +826,12 @@ class _Loop:
 
   def as_planned(self, tried: _Tried) -> bool:
     """Whether the plan's collectives send what the step's and its recomputations' do."""
-    return collectives_as_planned(tried.unplanned_sent_bytes, self.baseline_sent_bytes)
+    return collectives_as_planned(tried.unplanned_sent_bytes, self.baseline.sent_bytes)
 
   def pinned_figures(self) -> dict[str, int]:
     """The compiler's peak of the step in its order, every equation fenced, and the
     model's, where plans are modelled so; else nothing."""
-    if self.graph is self.program.graph:
+    if not self.pinned:
       return {}
     return {
       "pinned_peak_bytes": self.reference_peak_bytes,
@@ -837,19 +839,25 @@ class _Loop:
     }
 
   def pin(self, schedule: Schedule) -> str:
-    """What of ``schedule``'s order the emitted step fences: as `_pin` says, or, where
-    plans are made on the pinned graph, every event unless the schedule says otherwise."""
-    if self.graph is not self.program.graph and "pin" not in schedule.stats:
-      return "all"
-    return _pin(schedule, self.program.graph)
+    """What of ``schedule``'s order the emitted step fences (`emit`'s ``pin``).
+
+    ``stats["pin"]`` where the planner chose (`try_schedule`, which measures it per step;
+    kept in the plan cache). Otherwise every event: a plan that only reorders would run
+    the original's order with its recomputations alone fenced. Nothing is fenced in the
+    original order, but on the pinned graph, whose plans run pinned.
+    """
+    if "pin" in schedule.stats:
+      return schedule.stats["pin"]
+    original = list(schedule.computes) == list(self.program.graph.order)
+    return "recomputations" if original and not self.pinned else "all"
 
   def as_emitted(self, schedule: Schedule) -> tuple[Program, Schedule]:
     """The program ``schedule`` is emitted from, and the schedule as a schedule of it: the
     step's own where the schedule is valid there and not fenced whole (`pin`), else the
     pinned program's, each value freed after its last reader there (a reader holds what
     it computes again)."""
-    graph = self.program.graph
-    if self.graph is graph or (self.pin(schedule) != "all" and simulate(graph, schedule).valid):
+    unfenced = self.pin(schedule) != "all"
+    if not self.pinned or (unfenced and simulate(self.program.graph, schedule).valid):
       return self.program, schedule
     events = schedule_from_computes(self.graph, schedule.computes).events
     return self.planned_program, schedule.replace(events=events)
@@ -987,12 +995,12 @@ class _Loop:
     # real and would fail verification: it does not count as meeting the budget.
     kept = recomputes_survive(
       planned_recomputes(program, schedule),
-      surviving_recomputes(self.baseline_hlo, compiled.hlo_text),
+      surviving_recomputes(self.baseline.hlo_text, compiled.hlo_text),
     )
     met = kept and compiled.peak_bytes <= self.budget_bytes
     sent = compiled.measurement.sent_bytes
     unplanned = unplanned_sent_bytes(
-      self.baseline_sent_bytes, sent, planned_sent_bytes(program, schedule)
+      self.baseline.sent_bytes, sent, planned_sent_bytes(program, schedule)
     )
     attempt = Attempt(
       schedule.solver,
@@ -1056,7 +1064,7 @@ class _Loop:
     MLP's 0.7 is just above it (x0.698; its best plan measured x0.703).
     """
     model_bytes = self.reference_peak_bytes - self.baseline_gap_bytes
-    fenced = "" if self.graph is self.program.graph else ", each equation fenced in its order"
+    fenced = ", each equation fenced in its order" if self.pinned else ""
     step = (
       f" In jaxremat's model of this step (the original{fenced} at {model_bytes} bytes, where "
       f"the compiler measures {self.reference_peak_bytes}),"
@@ -1142,10 +1150,10 @@ class _Loop:
     the GPT example's policy plan was counted at x1.007 of the original's FLOPs by the
     hand rules and measured x1.203."""
     graph = self.program.graph
-    if tried.attempt.flops is None or not self.baseline_flops:
+    if tried.attempt.flops is None or not self.baseline.flops:
       return True
     modelled = self.flops(tried.schedule) / model_flops(graph, graph.order)
-    return tried.attempt.flops / self.baseline_flops <= (1 + _FLOPS_SHARE) * modelled
+    return tried.attempt.flops / self.baseline.flops <= (1 + _FLOPS_SHARE) * modelled
 
   def safer_policy(self, schedule: Schedule) -> Schedule | None:
     """The policy's plan, where the model puts it below ``schedule``, the first solved
@@ -1309,9 +1317,9 @@ class _Loop:
           tried = self.try_policy(policy)
           if tried.met and self.flops_as_modelled(tried):
             return
-      graph = self.graph
+      pinned = self.pinned
       last = self.try_schedule(schedule, "solve").attempt
-      if self.graph is not graph:
+      if pinned and not self.pinned:
         planning = self.first_planning_bytes()  # on the step's graph now
         continue
       if self.undone(last):
@@ -1355,19 +1363,6 @@ def _plans_pinned(program: Program, target: Target) -> bool:
     backend_facts(target.platform).pin_first == "all"
     and program.graph.meta.get("model") == "compiler"
   )
-
-
-def _pin(schedule: Schedule, graph: RematGraph) -> str:
-  """What of ``schedule``'s order the emitted step fences (`emit`'s ``pin``).
-
-  ``stats["pin"]`` where the planner chose (`_Loop.try_schedule`, which measures it per
-  step; kept in the plan cache). Otherwise every event: a plan that only reorders would
-  run the original's order with its recomputations alone fenced. Nothing is fenced in
-  the original order.
-  """
-  if "pin" in schedule.stats:
-    return schedule.stats["pin"]
-  return "recomputations" if list(schedule.computes) == list(graph.order) else "all"
 
 
 def _compile(

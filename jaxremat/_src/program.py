@@ -180,10 +180,7 @@ def build_program(
   # the value, stay live until the last reader. In root order, so that the sources of a
   # chain of duplicated values reach the readers at its end.
   for d in sorted(duplicated):
-    d_node = n_in + d
-    sources = [u for u, w in edges if w == d_node]
-    sinks = [w for u, w in edges if u == d_node]
-    edges.update((u, w) for u in sources for w in sinks)
+    read_through(edges, n_in + d)
   outputs = []
   for v in jaxpr.outvars:
     if isinstance(v, compat.Literal):
@@ -403,6 +400,15 @@ def _add_compiled_reads(
       if (u, w) not in edges and not (w in reach and u in reach and nx.has_path(reach, w, u)):
         edges.add((u, w))
         reach.add_edge(u, w)
+
+
+def read_through(edges: set[tuple[int, int]], v: int) -> list[int]:
+  """Has each reader of node ``v`` read what ``v`` reads, as a reader does that computes
+  ``v`` inside itself (``edges`` is updated); returns those readers."""
+  sources = [u for u, w in edges if w == v]
+  sinks = [w for u, w in edges if u == v]
+  edges.update((u, w) for u in sources for w in sinks)
+  return sinks
 
 
 def remade_reads(
