@@ -11,14 +11,16 @@ x0.44 (ResNet) to x1.02 (the MLP) of the step's peak on XLA:CPU, at x1.00 to x1.
 FLOPs, and the model of the step, applied to plans so emitted, counted MobileNet's at
 x1.9 of XLA's.
 
-The compiler says which values: `pinned_original` emits the step's order fenced so,
-each equation (and each fence, after the node it fences for) under the scope that names
-it, and compiles it for the target; the graph's values that no instruction of that
-program keeps are computed in their readers, and readers that compute a kept value again
-read its operands (`pinned_graph`), as `program.build_program` models what XLA does so in
-the step itself. The planner plans and predicts on that graph where the pinned original
-meets the budget (`planner._Loop`); the graph does not see the copies a recomputation's
-fences make, and on the U-Net example on XLA:CPU at 0.7 its plan measured 16% over it.
+The compiler says how: `pinned_original` emits the step's order fenced so, each equation
+(and each fence, after the node it fences for) under the scope that names it, and
+compiles it for the target; `pinned_program` reads the graph from that program as
+`trace` reads the step's from the step's: what it keeps, at what size, with what scratch,
+in what order. On XLA:CPU its graph counts the pinned step of the six examples and nine
+steps outside them within 10.6% (13 of 15 within 6%), where the step's graph with only
+the pinned step's kept values was 18-28% off on four of them; emitted in its own order it
+compiles to the pinned original (13 of 15 to the byte). The planner plans and predicts
+on it where the pinned original meets the budget (`planner._Loop`); the graph does not
+see the copies a recomputation's fences make.
 """
 
 from __future__ import annotations
@@ -27,10 +29,8 @@ import dataclasses
 
 from jaxremat._src import hlo_model
 from jaxremat._src.emit import emit
-from jaxremat._src.fusion import FUSIBLE_PRIMITIVES
-from jaxremat._src.graph import RematGraph
 from jaxremat._src.measure import Measurement, compile_and_measure
-from jaxremat._src.program import Program, read_through, remade_reads
+from jaxremat._src.program import Program, build_program
 from jaxremat._src.signature import CallSignature, FlatStep
 from jaxremat._src.simulate import baseline_schedule
 from jaxremat._src.targets import Target
@@ -54,61 +54,40 @@ def pinned_original(
   return hlo_model.scoped_values(measured.hlo_text, program.jaxpr.jaxpr), measured
 
 
-def pinned_program(program: Program, values: hlo_model.CompiledValues) -> Program:
-  """``program`` with its graph as the compiler holds it pinned (`pinned_graph`): plans
-  made on that graph are emitted from it."""
-  return dataclasses.replace(program, graph=pinned_graph(program, values))
-
-
-def pinned_graph(program: Program, values: hlo_model.CompiledValues) -> RematGraph:
-  """``program``'s graph as the compiler holds it pinned (``values``, `pinned_original`).
-
-  A value no instruction keeps is computed inside its readers: no bytes of its own, its
-  readers hold its operands instead, and each reader pays for an elementwise one (XLA's
-  cost analysis counts it once per reader; other work is paid once, by its own node, as
-  in `program.build_program`). In graph order, so that a chain of such values hands its
-  sources on to the readers at its end. A reader that computes a kept value again from
-  its operands (`CompiledValues.remade_for`: the backward pass's ReLU gradient, from the
-  convolution output) reads those operands, and pays for it, instead of the value.
-  """
+def pinned_program(
+  program: Program, values: hlo_model.CompiledValues, measured: Measurement, target: Target
+) -> Program:
+  """``program``'s equations grouped, sized and ordered as the compiler holds them pinned
+  (``values`` and ``measured``, `pinned_original`): plans made on its graph are emitted
+  from it. Equation costs are the step's (`costs`' cache), none compiled again."""
   graph = program.graph
-  eqns = program.jaxpr.jaxpr.eqns
-  nodes = list(graph.nodes)
-  edges = set(graph.edges)
-
-  def elementwise(v: int) -> bool:
-    return all(eqns[i].primitive.name in FUSIBLE_PRIMITIVES for i in program.node_eqns[v])
-
-  def pay(w: int, v: int) -> None:
-    extra = {"flops": nodes[w].attrs.get("flops", 0.0) + nodes[v].attrs.get("flops", 0.0)}
-    nodes[w] = dataclasses.replace(
-      nodes[w], cost=nodes[w].cost + nodes[v].cost, attrs={**nodes[w].attrs, **extra}
-    )
-
-  node_of = {k: v for v in graph.order for k in program.node_eqns[v]}
-  for w, remade in remade_reads(edges, node_of, values).items():
-    for u in remade:
-      if elementwise(u):
-        pay(w, u)
-    # The emitted reader computes them again too (`emit.inlined_reads`): a plan may run
-    # it before them, or after they were freed.
-    remakes = sorted({*nodes[w].attrs.get("remakes", ()), *remade})
-    nodes[w] = dataclasses.replace(nodes[w], attrs={**nodes[w].attrs, "remakes": remakes})
-  outputs = set(graph.outputs)
-  for d in graph.order:
-    if (
-      not graph.mem[d]
-      or d in outputs
-      or graph.nodes[d].attrs.get("effectful")
-      or values.kept.intersection(program.node_eqns[d])
-    ):
-      continue
-    sinks = read_through(edges, d)
-    attrs = {**nodes[d].attrs, "remade_when_pinned": True}
-    if elementwise(d):
-      for w in sinks:
-        pay(w, d)
-      attrs["flops"] = 0.0
-      nodes[d] = dataclasses.replace(nodes[d], cost=0.0)
-    nodes[d] = dataclasses.replace(nodes[d], mem=0, attrs=attrs)
-  return dataclasses.replace(graph, nodes=tuple(nodes), edges=tuple(sorted(edges)))
+  built = build_program(
+    program.jaxpr,
+    fold=graph.meta.get("fold", True),
+    costs_mode=graph.meta.get("costs", "xla"),
+    name=graph.name,
+    arg_names=[graph.nodes[v].name for v in range(len(program.jaxpr.jaxpr.invars))],
+    signature=program.signature,
+    output_split=program.outputs,
+    cost_time_limit=0.0,
+    workspace=graph.meta.get("workspace", False),
+    target=target,
+    compiled=values,
+  )
+  # The pinned original ran the step's nodes each on its own, and XLA computed some inside
+  # their readers: those are emitted so again, not inside each reader (`emit.inlined_reads`),
+  # which XLA merges and holds (the ResNet step of tests/test_pinned.py: 3.21 MB, not 2.42).
+  inlined = {
+    k for v in graph.order if graph.nodes[v].attrs.get("duplicated") for k in program.node_eqns[v]
+  }
+  nodes = list(built.graph.nodes)
+  for v in built.graph.order:
+    if nodes[v].attrs.get("duplicated") and not inlined.issuperset(built.node_eqns[v]):
+      attrs = {a: x for a, x in nodes[v].attrs.items() if a != "duplicated"}
+      nodes[v] = dataclasses.replace(nodes[v], attrs=attrs)
+  return dataclasses.replace(
+    built,
+    graph=dataclasses.replace(built.graph, nodes=tuple(nodes)),
+    baseline=measured,
+    loops=program.loops,
+  )

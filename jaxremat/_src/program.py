@@ -175,12 +175,15 @@ def build_program(
   remakes: dict[int, list[int]] = {}
   if compiled is not None:
     _add_compiled_reads(edges, node_of, compiled.read_for)
-    remakes = remade_reads(edges, node_of, compiled)
+    remakes = _remade_reads(edges, node_of, compiled)
   # XLA recomputes a duplicated value inside each reader's fusion: its operands, not
   # the value, stay live until the last reader. In root order, so that the sources of a
   # chain of duplicated values reach the readers at its end.
   for d in sorted(duplicated):
-    read_through(edges, n_in + d)
+    d_node = n_in + d
+    sources = [u for u, w in edges if w == d_node]
+    sinks = [w for u, w in edges if u == d_node]
+    edges.update((u, w) for u in sources for w in sinks)
   outputs = []
   for v in jaxpr.outvars:
     if isinstance(v, compat.Literal):
@@ -402,16 +405,7 @@ def _add_compiled_reads(
         reach.add_edge(u, w)
 
 
-def read_through(edges: set[tuple[int, int]], v: int) -> list[int]:
-  """Has each reader of node ``v`` read what ``v`` reads, as a reader does that computes
-  ``v`` inside itself (``edges`` is updated); returns those readers."""
-  sources = [u for u, w in edges if w == v]
-  sinks = [w for u, w in edges if u == v]
-  edges.update((u, w) for u in sources for w in sinks)
-  return sinks
-
-
-def remade_reads(
+def _remade_reads(
   edges: set[tuple[int, int]], node_of: dict[int, int], compiled: hlo_model.CompiledValues
 ) -> dict[int, list[int]]:
   """A node whose compiled instructions compute a kept value again from its operands,
