@@ -77,7 +77,7 @@ class CompiledValues:
 
   kept: frozenset[int]  # equations some top-level instruction computes last
   bytes: dict[int, int]  # kept equation -> its outputs' bytes in device memory
-  scratch: dict[int, int]  # equation -> bytes of the copies only it reads, while it runs
+  scratch: dict[int, int]  # equation -> the most bytes of its own copies and work held at once
   position: dict[int, int]  # kept equation -> where the compiler's schedule first makes it
   argument_bytes: tuple[int, ...]  # per jaxpr input, as the compiled parameter holds it
   read_for: dict[int, set[int]]  # kept equation -> the others whose instructions read it
@@ -233,7 +233,12 @@ def values_in_hlo(
   in another layout held so (XLA:CPU's transposed activations for the backward pass)
   stands for a value that the graph holds, and stays scratch. A named buffer that only its
   own equation's next instructions read (split-K partial products) is that equation's
-  scratch. A buffer that nothing reads is its instruction's working memory. A buffer made
+  scratch, and so is one that an unnamed computation (a convolution, a product, a
+  reduction, a library call) makes for the one equation that the unnamed instructions
+  reading it work for, wherever it runs (XLA:CPU computes a depthwise convolution's
+  weight gradient as a dense one and masks it into another buffer); an equation's scratch
+  is the most of its buffers live at one instruction. A buffer that nothing reads is its
+  instruction's working memory. A buffer made
   from constants alone, whichever instruction makes it (a max pool gradient's zeros; on
   XLA:GPU the zeros of every ReLU's gradient, a second output of the forward ReLU's
   fusion), is no equation's value: XLA makes it once, wherever a plan remakes its maker,
@@ -643,7 +648,8 @@ def values_in_hlo(
         holder is None
         and direct == {None}
         and instruction.name in computing
-        and (len(readers) == 1 and None not in readers)
+        and len(readers) == 1
+        and None not in readers
       ):
         # A computation for the one equation that the unnamed instructions reading it
         # work for: XLA:CPU computes a depthwise convolution's weight gradient as a dense
@@ -730,9 +736,8 @@ def _short_lived_to_scratch(
 
 def _most_at_once(buffers: list[tuple[int, int, int]]) -> int:
   """The most bytes of ``buffers`` (made, last read, bytes) live at one instruction: XLA
-  reuses a dead scratch buffer's memory for the next (XLA:CPU computes a depthwise
-  convolution's weight gradient from two transposed operands into a dense product, then
-  masks that into another buffer: 4.5 MiB at most of the 5.5 made, on a 256-channel layer)."""
+  reuses a dead scratch buffer's memory for the next one, so an equation's scratch is no
+  sum of its buffers."""
   return max(sum(n for a, b, n in buffers if a <= at <= b) for at, _, _ in buffers)
 
 
