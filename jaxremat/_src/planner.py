@@ -373,9 +373,7 @@ def make_plan(
       )
     )
   verification = (
-    _verify(
-      fn, signature, leaves, best.compiled.step.emitted.program, best, baseline, original, opts
-    )
+    _verify(fn, signature, leaves, best.program, best, baseline, original, opts)
     if opts.verify
     else None
   )
@@ -411,7 +409,7 @@ def make_plan(
     }
   )
   plan = Plan(
-    program=best.compiled.step.emitted.program,  # the one the schedule is of
+    program=best.program,  # the one the schedule is of
     schedule=schedule,
     budget_bytes=budget_bytes,
     baseline_peak_bytes=baseline.peak_bytes,
@@ -1182,12 +1180,7 @@ class _Loop:
 
   def try_no_remat(self) -> None:
     """The step as it is, no recomputation, as a plan (of the step's own graph)."""
-    graph = self.program.graph
-    peak_bytes = simulate(graph, baseline_schedule(graph)).peak_bytes
-    schedule = solve(graph, peak_bytes, "noremat")
-    self._measure(
-      schedule.replace(stats={**schedule.stats, "pin": "recomputations"}), "baseline", self.program
-    )
+    self._measure(_in_order(self.program.graph, "recomputations"), "baseline", self.program)
 
   def try_pinned_order(self) -> None:
     """The pinned graph's own order, no recomputation, fenced whole, where the model puts
@@ -1196,10 +1189,9 @@ class _Loop:
     order of the same FLOPs: on the MobileNet example on XLA:CPU at 0.9, one the model
     put at x2.1 of it. (The U-Net example's emits 8% over the pinned original on XLA:CPU,
     and the model says so: at 0.9 it is not compiled.)"""
-    graph = self.graph
-    schedule = solve(graph, simulate(graph, baseline_schedule(graph)).peak_bytes, "noremat")
+    schedule = _in_order(self.graph, "all")
     if self.predicted_peak_bytes(schedule) <= self.budget_bytes:
-      self._measure(schedule.replace(stats={**schedule.stats, "pin": "all"}), "pinned order")
+      self._measure(schedule, "pinned order")
 
   def least_measured_bytes(self) -> float:
     """The least peak the compiler measured of a plan tried (infinite before any)."""
@@ -1374,6 +1366,12 @@ def next_planning_budget(
   error = abs(measured_bytes - predicted_bytes)
   overshoot = measured_bytes - budget_bytes + min(int(_REPLAN_MARGIN * budget_bytes), error)
   return min(planning_bytes, predicted_bytes) - overshoot
+
+
+def _in_order(graph: RematGraph, pin: str) -> Schedule:
+  """``graph``'s own order, no recomputation, as a plan emitted with ``pin``."""
+  schedule = solve(graph, simulate(graph, baseline_schedule(graph)).peak_bytes, "noremat")
+  return schedule.replace(stats={**schedule.stats, "pin": pin})
 
 
 def _plans_pinned(program: Program, target: Target) -> bool:
