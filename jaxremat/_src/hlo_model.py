@@ -41,6 +41,7 @@ from jaxremat._src.hlo_text import (
   COLLECTIVES,
   Buffer,
   Instruction,
+  aliased_outputs,
   aliased_parameters,
   buffers,
   collectives,
@@ -99,6 +100,7 @@ class CompiledValues:
   on_chip_peak_bytes: int = 0  # the most bytes of temporaries held on chip at once
   evicts_from_chip: bool = False  # whether it evicts temporaries from chip (`on_chip_peak`)
   off_chip: frozenset[int] = frozenset()  # kept equations held in device memory beside it
+  aliased_outputs: frozenset[int] = frozenset()  # outputs written into donated arguments
 
 
 def compiled_values(
@@ -703,6 +705,7 @@ def values_in_hlo(
     on_chip_peak_bytes=chip.peak_bytes,
     evicts_from_chip=chip.evicts,
     off_chip=frozenset(off_chip),
+    aliased_outputs=frozenset(aliased_outputs(hlo)),
   )
 
 

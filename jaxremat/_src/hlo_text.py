@@ -29,7 +29,7 @@ _INDEX = re.compile(r"index=(\d+)")
 _HEADER = re.compile(r"^(ENTRY )?%([\w.-]+) ")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
 # One entry of a module's input_output_alias: the output's index, then its parameter's.
-_ALIAS = re.compile(r"\{[\d,\s]*\}:\s*\((\d+),")
+_ALIAS = re.compile(r"\{([\d,\s]*)\}:\s*\((\d+),")
 _CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 # Library calls that stand for an HLO opcode: XLA:GPU runs convolutions through cuDNN and
@@ -171,8 +171,17 @@ def partitions(hlo_text: str) -> int:
 
 def aliased_parameters(hlo_text: str) -> set[int]:
   """The parameters whose buffers the module writes outputs into (donated arguments)."""
+  return {parameter for _, parameter in _aliases(hlo_text)}
+
+
+def aliased_outputs(hlo_text: str) -> set[int]:
+  """The outputs (indices into the result tuple) the module writes into donated arguments."""
+  return {int(output.split(",")[0]) for output, _ in _aliases(hlo_text) if output.strip()}
+
+
+def _aliases(hlo_text: str) -> list[tuple[str, int]]:
   header = next((line for line in hlo_text.splitlines() if line.startswith("HloModule")), "")
-  return {int(p) for p in _ALIAS.findall(header)}
+  return [(output, int(parameter)) for output, parameter in _ALIAS.findall(header)]
 
 
 def sent_bytes(hlo_text: str) -> int:

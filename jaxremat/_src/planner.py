@@ -807,8 +807,15 @@ class _Loop:
     # What the compiler holds beyond the model on the step in its order (layout padding,
     # buffers the model does not see), taken to hold for plans of it too
     # (`first_planning_bytes`).
-    self.baseline_gap_bytes = reference.peak_bytes - xla_accounted_peak_bytes(
-      self.graph, baseline_schedule(self.graph), self.alias_bytes
+    step = baseline_schedule(self.graph)
+    modelled_bytes = xla_accounted_peak_bytes(self.graph, step, self.alias_bytes)
+    self.baseline_gap_bytes = reference.peak_bytes - modelled_bytes
+    # The solvers' graph holds every output throughout; XLA may hold values in the buffer
+    # of an output not written yet (`xla_memory._in_output_buffers`). What that saved on
+    # the step in its order is room for the solvers (`solver_budget`).
+    self.in_outputs_bytes = (
+      xla_accounted_peak_bytes(self.graph, step, self.alias_bytes, reuse_outputs=False)
+      - modelled_bytes
     )
     # No plan holds less in the model, and the node whose compute sets it (`beyond_model`).
     self.model_bound_bytes, self.bound_node = peak_bound(self.graph, self.alias_bytes)
@@ -913,14 +920,17 @@ class _Loop:
   def solver_budget(self, planning_bytes: int) -> int:
     """A planning budget as XLA counts it, as a budget in the solvers' graph: the live
     bytes within it (more than it where the target keeps temporaries on chip,
-    `xla_memory.device_peak_bytes`), less the outputs held from the start."""
+    `xla_memory.device_peak_bytes`), less the outputs held from the start, and more by
+    what XLA held in outputs' buffers on the step (``in_outputs_bytes``)."""
+    planning_bytes += self.in_outputs_bytes
     live_bytes = live_bytes_within(planning_bytes, self.held_bytes, self.on_chip_bytes)
     return live_bytes - self.reserved_bytes
 
   def figure_bytes(self, solver_bytes: int) -> int:
     """A peak in the solvers' graph as XLA counts it (the inverse of `solver_budget`)."""
     live_bytes = solver_bytes + self.reserved_bytes
-    return device_peak_bytes(live_bytes, self.held_bytes, self.on_chip_bytes)
+    figure = device_peak_bytes(live_bytes, self.held_bytes, self.on_chip_bytes)
+    return figure - self.in_outputs_bytes
 
   def solves_left(self) -> int:
     return 1 + self.opts.max_replans - self.solves

@@ -184,14 +184,16 @@ def build_program(
     sources = [u for u, w in edges if w == d_node]
     sinks = [w for u, w in edges if u == d_node]
     edges.update((u, w) for u in sources for w in sinks)
-  outputs = []
-  for v in jaxpr.outvars:
+  outputs, aliased = [], set()
+  for i, v in enumerate(jaxpr.outvars):
     if isinstance(v, compat.Literal):
       continue
     u = producer[v]
     exported[u].add(v)
     if u not in outputs:
       outputs.append(u)
+    if compiled is not None and i in compiled.aliased_outputs:
+      aliased.add(u)
   node_outvars: list[tuple[Any, ...]] = [(v,) for v in [*jaxpr.invars, *jaxpr.constvars]]
   for g, eqn_ids in enumerate(groups):
     outs = [
@@ -300,6 +302,8 @@ def build_program(
   for g in hoisted:
     node = nodes[n_in + g]
     nodes[n_in + g] = dataclasses.replace(node, attrs={**node.attrs, "allocated_at_start": True})
+  for v in aliased:  # written into a donated argument's buffer (`xla_memory.held_apart`)
+    nodes[v] = dataclasses.replace(nodes[v], attrs={**nodes[v].attrs, "aliased_output": True})
   for k in () if compiled is None else compiled.off_chip & node_of.keys():
     node = nodes[node_of[k]]
     nodes[node_of[k]] = dataclasses.replace(node, attrs={**node.attrs, "off_chip": True})
@@ -332,6 +336,8 @@ def build_program(
       "n_eqns": len(jaxpr.eqns),
       "roofline": costs.roofline_meta(costs_mode, cache_dir, target),
       "on_chip_bytes": _on_chip_bytes(target, compiled),
+      # read from the compiler's program: where XLA holds values in outputs' buffers
+      "outputs_hold_temporaries": compiled is not None and facts.outputs_hold_temporaries,
     },
   )
   if fold and compiled is None and not workspace:

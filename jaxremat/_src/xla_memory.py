@@ -7,6 +7,7 @@ that keeps temporaries on chip leaves some of them out (`device_peak_bytes`).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Any
 
@@ -34,12 +35,17 @@ def _outputs(graph: RematGraph) -> set[int]:
   return {v for v in graph.outputs if not graph.is_input[v]}
 
 
-def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_bytes: int = 0) -> int:
+def xla_accounted_peak_bytes(
+  graph: RematGraph, schedule: Any = None, alias_bytes: int = 0, reuse_outputs: bool = True
+) -> int:
   """The peak as XLA's ``memory_analysis`` counts it, for ``schedule`` (default: baseline).
 
   XLA allocates the output buffers before the program runs and keeps them to the end,
   so its figure (argument + output + temp - alias) charges every output throughout, but
-  for the ``alias_bytes`` it writes into donated arguments (`held_apart`). This is the
+  for the ``alias_bytes`` it writes into donated arguments (`held_apart`); where its
+  buffer assignment places values in the buffer of an output not written yet (the
+  graph's ``meta["outputs_hold_temporaries"]``, `_in_output_buffers`), those count
+  nothing, unless ``reuse_outputs`` is False (the solvers' view). This is the
   simulated memory of the other values at each compute event plus those, plus the
   buffers XLA allocates at the start (``allocated_at_start``) until their node computes
   them, plus the scratch XLA allocates while that node runs (its ``workspace_bytes``,
@@ -62,6 +68,8 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
   resident_bytes = graph.resident_bytes + held_bytes
   on_chip_bytes = graph.meta.get("on_chip_bytes", 0)
   off_chip = _off_chip_timeline(apart, schedule) if on_chip_bytes else None
+  reuse = reuse_outputs and graph.meta.get("outputs_hold_temporaries", False)
+  packed = _in_output_buffers(graph, schedule, pending) if reuse else None
   peak, spilled = resident_bytes + pending_bytes + early_bytes, 0
   for t, ((kind, v), after) in enumerate(zip(schedule.events, result.timeline_bytes, strict=True)):
     if kind != "compute":
@@ -70,6 +78,8 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
       pending.discard(v)
       pending_bytes -= graph.mem[v]
     live = after + held_bytes + pending_bytes + early_bytes + scratch_bytes(graph, v)
+    if packed:
+      live -= packed[t]
     peak = max(peak, live)
     if off_chip and live - resident_bytes > on_chip_bytes:
       # past VMEM, what the compiled step held in HBM stays there, and the rest fills VMEM
@@ -77,6 +87,43 @@ def xla_accounted_peak_bytes(graph: RematGraph, schedule: Any = None, alias_byte
       spilled = max(spilled, off_chip[t] + max(0, rest - on_chip_bytes))
     early_bytes -= released.get(t, 0)
   return max(device_peak_bytes(peak, resident_bytes, on_chip_bytes), resident_bytes + spilled)
+
+
+def _in_output_buffers(graph: RematGraph, schedule: Any, pending: set[int]) -> list[int]:
+  """Per event of ``schedule``, the bytes of values live then that XLA places in the
+  buffer of an output not yet written. XLA's buffer assignment visits values from the
+  largest down; each output gets a buffer of its own, and each other value the smallest
+  such buffer at least its size that holds nothing live at the same time (BufferAssigner's
+  reuse of an allocation); the values left over are the temporaries it counts."""
+  outputs, end = _outputs(graph), len(schedule.events)
+  made: dict[int, int] = {}
+  values = []  # (bytes, whether an output's final value, first event, event freed, node)
+  for t, (kind, v) in enumerate(schedule.events):
+    if kind == "compute":
+      made[v] = t
+    else:
+      values.append((graph.mem[v], False, made.pop(v), t, v))
+  values += [(graph.mem[v], v in outputs, t, end, v) for v, t in made.items()]
+  buffers: list[list[tuple[int, int]]] = []  # per output, largest first: what it holds when
+  sizes: list[int] = []
+  at = [0] * (end + 1)
+  for size, is_output, first, freed, v in sorted(values, key=lambda x: (-x[0], not x[1], x[2])):
+    if is_output:
+      if not _aliased(graph, v):
+        buffers.append([(first, end)])
+        sizes.append(size)
+      continue
+    if size == 0 or v in outputs or v in pending:
+      continue  # counted apart (`held_apart`, `allocated_at_start`)
+    for held, room in zip(reversed(buffers), reversed(sizes)):
+      if room >= size and all(freed <= a or b <= first for a, b in held):
+        held.append((first, freed))
+        at[first] += size
+        at[freed] -= size
+        break
+  for t in range(end):
+    at[t + 1] += at[t]
+  return at
 
 
 def peak_bound(graph: RematGraph, alias_bytes: int = 0) -> tuple[int, int | None]:
@@ -87,15 +134,21 @@ def peak_bound(graph: RematGraph, alias_bytes: int = 0) -> tuple[int, int | None
   operands and its result (FORMATS.md), beside the arguments, the outputs XLA holds
   throughout (`held_apart`), the node's scratch, and what XLA made before the program
   for the node and for the equations that depend on it, none of which has run yet:
-  their constants and the buffers it allocates at the start (`waiting_bytes`). The figure grows
-  with the live bytes (`device_peak_bytes`). It bounds plans in the model: a compiler
-  that fuses a plan otherwise than the step may hold less.
+  their constants and the buffers it allocates at the start (`waiting_bytes`). Where XLA
+  holds values in outputs' buffers (`_in_output_buffers`), the node's operands, result
+  and scratch may each sit in a buffer of its own of any output but the node. The figure
+  grows with the live bytes (`device_peak_bytes`). It bounds plans in the model: a
+  compiler that fuses a plan otherwise than the step may hold less.
   """
   apart, held_bytes = held_apart(graph, alias_bytes)
   waiting = waiting_bytes(graph)
+  reuse = graph.meta.get("outputs_hold_temporaries", False)
+  rooms = {v: graph.mem[v] for v in _outputs(graph) if reuse and not _aliased(graph, v)}
 
   def live_bytes(v: int) -> int:
-    return apart.compute_bytes(v) + scratch_bytes(graph, v) + waiting[v]
+    values = [apart.mem[u] for u in (*apart.compute_preds[v], v)] + [scratch_bytes(graph, v)]
+    held = _most_held_in(values, sorted(size for u, size in rooms.items() if u != v))
+    return apart.compute_bytes(v) + scratch_bytes(graph, v) + waiting[v] - held
 
   node = max((v for v in graph.order if not graph.is_input[v]), key=live_bytes, default=None)
   early = sum(graph.mem[v] for v in allocated_at_start(graph)) + constant_bytes(graph)
@@ -107,6 +160,23 @@ def peak_bound(graph: RematGraph, alias_bytes: int = 0) -> tuple[int, int | None
   resident_bytes = graph.resident_bytes + held_bytes
   bound = device_peak_bytes(live + held_bytes, resident_bytes, graph.meta.get("on_chip_bytes", 0))
   return bound, node
+
+
+def _most_held_in(values: list[int], rooms: list[int]) -> int:
+  """The most bytes of ``values`` that ``rooms`` (ascending) hold, one value in each: the
+  largest value first, into the smallest room it fits."""
+  free, held = list(rooms), 0
+  for size in sorted((v for v in values if v), reverse=True):
+    at = bisect.bisect_left(free, size)
+    if at < len(free):
+      free.pop(at)
+      held += size
+  return held
+
+
+def _aliased(graph: RematGraph, v: int) -> bool:
+  """Whether output ``v`` is written into a donated argument's buffer (`trace` marks it)."""
+  return graph.nodes[v].attrs.get("aliased_output", False)
 
 
 def waiting_bytes(graph: RematGraph) -> list[int]:
