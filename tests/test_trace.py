@@ -490,6 +490,33 @@ def test_transient_scratch_counts_in_xla_accounted_peak():
   assert peak_bound(g, alias_bytes=3)[0] == xla_accounted_peak_bytes(g, alias_bytes=3) == 119
 
 
+def test_a_value_that_dies_before_an_output_is_written_may_sit_in_its_buffer():
+  """Where the compiler does so (`BackendFacts.outputs_hold_temporaries`), a value whose
+  life ends before an output's begins sits in that output's buffer, which is counted
+  throughout anyway; a value still live when the output is written does not. The bound
+  lets it do so too."""
+  # 0 -> 1 -> 2 -> 3 (output): node 1 dies before node 3 is computed, node 2 is read by it.
+  g = jaxremat.RematGraph.build(
+    mem=[10, 8, 8, 8], cost=[1] * 4, edges=[(0, 1), (1, 2), (2, 3)], inputs=[0], outputs=[3]
+  )
+  reused = dataclasses.replace(g, meta={**g.meta, "outputs_hold_temporaries": True})
+  # Node 2 computes beside the input, node 1 and the output's buffer: 34, where node 1 sits
+  # in that buffer: 26, as when node 3 computes from node 2.
+  assert xla_accounted_peak_bytes(g) == peak_bound(g)[0] == 34
+  assert xla_accounted_peak_bytes(reused) == peak_bound(reused)[0] == 26
+  assert xla_accounted_peak_bytes(reused, reuse_outputs=False) == 34
+  # Written into a donated argument, the output has no buffer of its own to lend: node 2
+  # computes beside the input and node 1, and the output's bytes are the argument's.
+  donated = dataclasses.replace(
+    reused,
+    nodes=tuple(
+      dataclasses.replace(n, attrs={**n.attrs, "aliased_output": True}) if n.id == 3 else n
+      for n in g.nodes
+    ),
+  )
+  assert xla_accounted_peak_bytes(donated, alias_bytes=8) == peak_bound(donated, 8)[0] == 26
+
+
 def test_what_xla_made_at_the_start_for_later_equations_counts_in_the_bound():
   """A node's first computation comes before every node that depends on it: the constants
   XLA made for those and the buffers it allocated at the start for them are still held

@@ -26,6 +26,8 @@ see the copies a recomputation's fences make.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from jaxremat._src import hlo_model
 from jaxremat._src.emit import emit
@@ -36,30 +38,45 @@ from jaxremat._src.simulate import baseline_schedule
 from jaxremat._src.targets import Target
 
 
-def pinned_original(
-  program: Program, signature: CallSignature, target: Target
-) -> tuple[hlo_model.CompiledValues, Measurement]:
-  """What the compiler keeps of ``program``'s equations when the step's own order is
-  emitted with every equation fenced, and its figures for that program."""
+@dataclasses.dataclass(frozen=True)
+class PinnedOriginal:
+  """The step emitted in its own order with every equation fenced, compiled for a target.
+
+  Attributes:
+    emitted: the step so emitted (`emit`'s ``pin="all"``), each equation under its scope.
+    executable: its compile, with the step's donation.
+    measured: the compiler's figures for it.
+    values: what the compiler keeps of the step's equations there (`hlo_model`).
+  """
+
+  emitted: Callable[..., Any] = dataclasses.field(repr=False)
+  executable: Any = dataclasses.field(repr=False)
+  measured: Measurement
+  values: hlo_model.CompiledValues = dataclasses.field(repr=False)
+
+
+def pinned_original(program: Program, signature: CallSignature, target: Target) -> PinnedOriginal:
+  """``program``'s own order emitted with every equation fenced, compiled for ``target``:
+  what the compiler keeps of its equations there, and its figures. It is also the plan
+  of that order (`planner._Loop.try_pinned_order`)."""
   emitted = emit(
     program, baseline_schedule(program.graph), pin="all", scoped=True, backend=target.platform
   )
   emitted.__name__ = "pinned_original"  # as JAX names its compile
-  _, measured = compile_and_measure(
+  executable, measured = compile_and_measure(
     FlatStep(emitted, signature),
     *signature.specs,
     donate_argnums=signature.donated_leaves,
     target=target,
   )
-  return hlo_model.scoped_values(measured.hlo_text, program.jaxpr.jaxpr), measured
+  values = hlo_model.scoped_values(measured.hlo_text, program.jaxpr.jaxpr)
+  return PinnedOriginal(emitted, executable, measured, values)
 
 
-def pinned_program(
-  program: Program, values: hlo_model.CompiledValues, measured: Measurement, target: Target
-) -> Program:
+def pinned_program(program: Program, pinned: PinnedOriginal, target: Target) -> Program:
   """``program``'s equations grouped, sized and ordered as the compiler holds them pinned
-  (``values`` and ``measured``, `pinned_original`): plans made on its graph are emitted
-  from it. Equation costs are the step's (`costs`' cache), none compiled again."""
+  (`pinned_original`): plans made on its graph are emitted from it. Equation costs are
+  the step's (`costs`' cache), none compiled again."""
   graph = program.graph
   built = build_program(
     program.jaxpr,
@@ -72,7 +89,7 @@ def pinned_program(
     cost_time_limit=0.0,
     workspace=graph.meta.get("workspace", False),
     target=target,
-    compiled=values,
+    compiled=pinned.values,
   )
   # The pinned original ran the step's nodes each on its own, and XLA computed some inside
   # their readers: those are emitted so again, not inside each reader (`emit.inlined_reads`),
@@ -88,6 +105,6 @@ def pinned_program(
   return dataclasses.replace(
     built,
     graph=dataclasses.replace(built.graph, nodes=tuple(nodes)),
-    baseline=measured,
+    baseline=pinned.measured,
     loops=program.loops,
   )

@@ -304,7 +304,7 @@ def make_plan(
     and _pinned_compile_fits(baseline.compile_time_s, deadline, opts)
     else None
   )
-  if pinned is not None and pinned[1].peak_bytes > budget_bytes:
+  if pinned is not None and pinned.measured.peak_bytes > budget_bytes:
     pinned = None
   loop = _Loop(program, signature, budget_bytes, opts, deadline, planned, pinned)
   # Plans are cached as plans of the program they are made on.
@@ -765,10 +765,11 @@ class _Loop:
     self.alias_bytes = baseline.alias_bytes
     self.on_chip_bytes = program.graph.meta.get("on_chip_bytes", 0)
     self.baseline = baseline  # the compiler's figures for ``program`` as written
+    self.pinned_step = pinned  # `pinned.pinned_original`, where it met the budget
     if pinned is None:
       self.plan_on(program, baseline)
     else:
-      self.plan_on(pinned_program(program, *pinned, opts.target), pinned[1])
+      self.plan_on(pinned_program(program, pinned, opts.target), pinned.measured)
     self.signature = signature
     self.budget_bytes = budget_bytes
     self.opts = opts
@@ -1005,6 +1006,14 @@ class _Loop:
     pin = self.pin(schedule)
     program = program or self.planned_program
     compiled = _compile(program, self.signature, schedule, self.opts, pin)
+    predicted_bytes = xla_accounted_peak_bytes(program.graph, schedule, self.alias_bytes)
+    return self._record(schedule, origin, program, compiled, predicted_bytes)
+
+  def _record(
+    self, schedule: Schedule, origin: str, program: Program, compiled: _Compiled, predicted: int
+  ) -> _Tried:
+    """Records a compiled plan of ``program`` (`_measure`), the model's peak ``predicted``."""
+    pin = self.pin(schedule)
     # A plan whose recomputations XLA merged away (two identical ones, say) saves nothing
     # real and would fail verification: it does not count as meeting the budget.
     kept = recomputes_survive(
@@ -1019,7 +1028,7 @@ class _Loop:
     attempt = Attempt(
       schedule.solver,
       self.figure_bytes(int(schedule.budget)) if schedule.budget is not None else self.budget_bytes,
-      xla_accounted_peak_bytes(program.graph, schedule, self.alias_bytes),
+      predicted,
       compiled.peak_bytes,
       origin,
       pin,
@@ -1191,15 +1200,22 @@ class _Loop:
     self._measure(_in_order(self.program.graph, "recomputations"), "baseline", self.program)
 
   def try_pinned_order(self) -> None:
-    """The pinned graph's own order, no recomputation, fenced whole, where the model puts
-    it within the budget: it emits the pinned original (`pinned.pinned_program`), which
-    the compiler measured within it. A solve within a budget far above it may return any
+    """The step's own order, no recomputation, fenced whole: the pinned original
+    (`pinned.pinned_original`), which the compiler measured within the budget, is that
+    plan compiled, and counts as one without a compile of its own; the model's peak is the
+    pinned graph's of its own order. A solve within a budget far above it may return any
     order of the same FLOPs: on the MobileNet example on XLA:CPU at 0.9, one the model
-    put at x2.1 of it. (The U-Net example's emits 8% over the pinned original on XLA:CPU,
-    and the model says so: at 0.9 it is not compiled.)"""
-    schedule = _in_order(self.graph, "all")
-    if self.predicted_peak_bytes(schedule) <= self.budget_bytes:
-      self._measure(schedule, "pinned order")
+    put at x2.1 of it. (Emitted from the pinned program instead, the U-Net example's
+    order compiled 8% over the pinned original on XLA:CPU.)"""
+    pinned = self.pinned_step
+    step = _compiled_step(
+      pinned.emitted, self.signature, self.program.outputs, pinned.executable, self.opts.target
+    )
+    schedule = _in_order(self.program.graph, "all").replace(budget=None)
+    predicted = self.predicted_peak_bytes(_in_order(self.graph, "all"))
+    self._record(
+      schedule, "pinned order", self.program, _Compiled(step, pinned.measured), predicted
+    )
 
   def least_measured_bytes(self) -> float:
     """The least peak the compiler measured of a plan tried (infinite before any)."""
@@ -1406,14 +1422,19 @@ def _compile(
   """Emits ``schedule`` and compiles it for the target; the step runs on this machine."""
   target = opts.target
   emitted = emit(program, schedule, fence=opts.fence, pin=pin, backend=target.platform)
-  flat = FlatStep(emitted, signature)
-  donated = signature.donated_leaves
   compiled, measured = compile_and_measure(
-    flat, *signature.specs, donate_argnums=donated, target=target
+    FlatStep(emitted, signature),
+    *signature.specs,
+    donate_argnums=signature.donated_leaves,
+    target=target,
   )
-  jitted = jax.jit(flat, donate_argnums=donated)
-  step = CompiledStep(signature, program.outputs, jitted, emitted, _runnable(compiled, target))
-  return _Compiled(step, measured)
+  return _Compiled(_compiled_step(emitted, signature, program.outputs, compiled, target), measured)
+
+
+def _compiled_step(emitted, signature, outputs, executable, target: Target) -> CompiledStep:
+  """The optimized step of an emitted program compiled as ``executable``."""
+  jitted = jax.jit(FlatStep(emitted, signature), donate_argnums=signature.donated_leaves)
+  return CompiledStep(signature, outputs, jitted, emitted, _runnable(executable, target))
 
 
 def _runnable(compiled: Any, target: Target) -> Any:
