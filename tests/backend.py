@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
+
 import jax
 import numpy as np
 
@@ -23,3 +26,19 @@ def assert_trees_allclose(actual, expected, *, exact: bool = False) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
     rtol, atol = (0.0, 0.0) if exact else FACTS.tolerance(b.dtype)
     np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+@contextlib.contextmanager
+def counted_compiles():
+  """Counts XLA's compiles by JAX's name for each (``"jit(step)"``) while the block runs."""
+  compiled = collections.Counter()
+
+  def count(event, duration_s, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiled[kwargs["fun_name"]] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    yield compiled
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)

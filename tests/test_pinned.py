@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import collections
-
 import jax
 import pytest
-from backend import FACTS, assert_trees_allclose
+from backend import FACTS, assert_trees_allclose, counted_compiles
 
 import examples
 import jaxremat
@@ -87,17 +85,8 @@ def test_plans_within_what_the_pinned_original_holds_are_made_and_counted_on_its
   step, args, _, pinned_original = resnet
   measured = pinned_original.measured
   budget = measured.peak_bytes + 1024
-  compiled = collections.Counter()
-
-  def count(event, duration_s, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-      compiled[kwargs["fun_name"]] += 1
-
-  jax.monitoring.register_event_duration_secs_listener(count)
-  try:
+  with counted_compiles() as compiled:
     plan = jaxremat.optimize(step, budget=budget, time_limit=30, use_cache=False).plan(*args)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(count)
   model = plan.schedule.stats["optimize"]
   assert model["pinned_peak_bytes"] == measured.peak_bytes
   assert plan.measured_peak_bytes <= budget

@@ -16,11 +16,11 @@ The compiler says how: `pinned_original` emits the step's order fenced so, each 
 compiles it for the target; `pinned_program` reads the graph from that program as
 `trace` reads the step's from the step's: what it keeps, at what size, with what scratch,
 in what order. On XLA:CPU its graph counts the pinned step of the six examples and nine
-steps outside them within 10.6% (13 of 15 within 6%), where the step's graph with only
-the pinned step's kept values was 18-28% off on four of them; emitted in its own order it
-compiles to the pinned original (13 of 15 to the byte). The planner plans and predicts
-on it where the pinned original meets the budget (`planner._Loop`); the graph does not
-see the copies a recomputation's fences make.
+steps outside them within 10.3% (14 of 15 within 5%), where the step's graph with only
+the pinned step's kept values was 18-28% off on four of them. The planner plans and
+predicts on it where the pinned original meets the budget, and the pinned original is
+then the first plan itself (`planner._Loop.try_pinned_order`); the graph does not see
+the copies a recomputation's fences make.
 """
 
 from __future__ import annotations
