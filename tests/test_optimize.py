@@ -457,7 +457,7 @@ def test_the_optimized_step_runs_the_executable_the_planner_compiled(tmp_path):
     # under a scope of its own) is also the one that runs it. The model of plans pinned
     # in their order reads one more: the original's order, pinned, which is also the
     # plan of that order, compiled once (`try_pinned_order`).
-    planned = [a for a in plan.attempts if a.origin != "pinned order"]
+    planned = [a for a in plan.attempts if a.origin != "pinned original"]
     assert compiled["jit(emitted)"] == len(planned) and compiled["jit(scoped)"] == 1
     assert compiled["jit(pinned_original)"] == 1
     emitted = {"jit(emitted)"} if planned else set()

@@ -91,7 +91,7 @@ def test_plans_within_what_the_pinned_original_holds_are_made_and_counted_on_its
   assert model["pinned_peak_bytes"] == measured.peak_bytes
   assert plan.measured_peak_bytes <= budget
   first = plan.attempts[0]
-  assert (first.origin, first.pin) == ("pinned order", "all")
+  assert (first.origin, first.pin) == ("pinned original", "all")
   assert first.measured_peak_bytes == measured.peak_bytes
   assert compiled["jit(pinned_original)"] == 1
   assert compiled["jit(emitted)"] == len(plan.attempts) - 1
