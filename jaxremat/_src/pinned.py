@@ -55,12 +55,19 @@ class PinnedOriginal:
   values: hlo_model.CompiledValues = dataclasses.field(repr=False)
 
 
-def pinned_original(program: Program, signature: CallSignature, target: Target) -> PinnedOriginal:
-  """``program``'s own order emitted with every equation fenced, compiled for ``target``:
-  what the compiler keeps of its equations there, and its figures. It is also the plan
-  of that order (`planner._Loop.try_pinned_order`)."""
+def pinned_original(
+  program: Program, signature: CallSignature, target: Target, fence: str = "auto"
+) -> PinnedOriginal:
+  """``program``'s own order emitted with every equation fenced (by ``fence``, `emit`'s),
+  compiled for ``target``: what the compiler keeps of its equations there, and its
+  figures. It is also the plan of that order (`planner._Loop.try_pinned_order`)."""
   emitted = emit(
-    program, baseline_schedule(program.graph), pin="all", scoped=True, backend=target.platform
+    program,
+    baseline_schedule(program.graph),
+    fence=fence,
+    pin="all",
+    scoped=True,
+    backend=target.platform,
   )
   emitted.__name__ = "pinned_original"  # as JAX names its compile
   executable, measured = compile_and_measure(

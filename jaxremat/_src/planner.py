@@ -298,7 +298,7 @@ def make_plan(
   # holds within the budget (`_Loop.misjudged_pinned` on the pinned graph's errors below)
   # and the time limit leaves room for the compile.
   pinned = (
-    pinned_original(program, signature, opts.target)
+    pinned_original(program, signature, opts.target, opts.fence)
     if budget_bytes < planned.peak_bytes
     and _plans_pinned(program, opts.target)
     and _pinned_compile_fits(baseline.compile_time_s, deadline, opts)
@@ -1201,15 +1201,14 @@ class _Loop:
 
   def try_pinned_order(self) -> None:
     """The step's own order, no recomputation, fenced whole. The pinned original
-    (`pinned.pinned_original`), which the compiler measured within the budget, is that
-    plan compiled: it counts as one without a compile of its own, the model's peak the
-    pinned graph's of its own order. Where time is left, that order is also emitted from
-    the pinned program and compiled, where the model puts it within the budget: it emits
-    what XLA computed inside each reader there again (`pinned.pinned_program`), at fewer
-    FLOPs on XLA:CPU (the ResNet example x1.023 of the step's, the pinned original
-    x1.031), and the U-Net example's 8% over the pinned original. A solve within a budget
-    far above it may return any order of the same FLOPs: on the MobileNet example on
-    XLA:CPU at 0.9, one the model put at x2.1 of it."""
+    (`pinned.pinned_original`), measured within the budget, is that plan compiled: it
+    counts as one with no compile of its own ("pinned original"), the model's peak the
+    pinned graph's of its own order. Where time is left and the model puts it within the
+    budget, the order is also emitted from the pinned program and compiled ("pinned
+    order"): XLA:CPU runs that at fewer FLOPs (the ResNet example x1.023 of the step's,
+    the pinned original x1.031), though on the U-Net example 8% over the pinned original.
+    A solve within a budget far above it may return any order of the same FLOPs: on the
+    MobileNet example on XLA:CPU at 0.9, one the model put at x2.1 of it."""
     pinned = self.pinned_step
     step = _compiled_step(
       pinned.emitted, self.signature, self.program.outputs, pinned.executable, self.opts.target
