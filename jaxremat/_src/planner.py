@@ -814,10 +814,12 @@ class _Loop:
     # The solvers' graph holds every output throughout; XLA may hold values in the buffer
     # of an output not written yet (`xla_memory._in_output_buffers`). What that saved on
     # the step in its order is room for the solvers (`solver_budget`).
-    self.in_outputs_bytes = (
-      xla_accounted_peak_bytes(self.graph, step, self.alias_bytes, reuse_outputs=False)
-      - modelled_bytes
-    )
+    self.in_outputs_bytes = 0
+    if self.graph.meta.get("outputs_hold_temporaries", False):
+      apart_bytes = xla_accounted_peak_bytes(
+        self.graph, step, self.alias_bytes, reuse_outputs=False
+      )
+      self.in_outputs_bytes = apart_bytes - modelled_bytes
     # No plan holds less in the model, and the node whose compute sets it (`beyond_model`).
     self.model_bound_bytes, self.bound_node = peak_bound(self.graph, self.alias_bytes)
 

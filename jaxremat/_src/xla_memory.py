@@ -144,10 +144,15 @@ def peak_bound(graph: RematGraph, alias_bytes: int = 0) -> tuple[int, int | None
   waiting = waiting_bytes(graph)
   reuse = graph.meta.get("outputs_hold_temporaries", False)
   rooms = {v: graph.mem[v] for v in _outputs(graph) if reuse and not _aliased(graph, v)}
+  sizes = sorted(rooms.values())
 
   def live_bytes(v: int) -> int:
     values = [apart.mem[u] for u in (*apart.compute_preds[v], v)] + [scratch_bytes(graph, v)]
-    held = _most_held_in(values, sorted(size for u, size in rooms.items() if u != v))
+    others = sizes
+    if v in rooms:  # its own buffer is being written
+      others = list(sizes)
+      others.remove(rooms[v])
+    held = _most_held_in(values, others)
     return apart.compute_bytes(v) + scratch_bytes(graph, v) + waiting[v] - held
 
   node = max((v for v in graph.order if not graph.is_input[v]), key=live_bytes, default=None)
