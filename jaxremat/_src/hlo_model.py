@@ -775,11 +775,21 @@ def _remade_for(
   for name, roots in roots_of.items():
     for j, k in enumerate(roots):
       made.setdefault(k, set()).add((name, j))
+  # A collective's element named for the equation is its value too: XLA:TPU all-reduces
+  # an FSDP step's gradients in one tuple, and each optimizer update slices its own
+  # gradient out of the element named for it.
+  collective = {i.name for i in instructions if i.opcode.removesuffix("-done") in COLLECTIVES}
+  named = {
+    i.name: _scope(i.line)
+    for i in instructions
+    if i.opcode == "get-tuple-element" and i.operands[0] in collective
+  }
   out: dict[int, set[int]] = {}
   for instruction in instructions:
     computed = inside.get(instruction.name, set())
     reads = {b for o in instruction.operands for b in elements.get(o, [])}
-    for k in computed & kept.keys():
+    read_named = {named.get(o) for o in instruction.operands}
+    for k in computed & kept.keys() - read_named:
       if k not in roots_of[instruction.name] and not reads & made.get(k, set()):
         out.setdefault(k, set()).update(computed - {k})
   return out

@@ -172,10 +172,8 @@ def build_program(
           edges.add((u, v_node))
           exported[u].add(v)
   node_of = {k: n_in + g for g, eqn_ids in enumerate(groups) for k in eqn_ids}
-  remakes: dict[int, list[int]] = {}
   if compiled is not None:
     _add_compiled_reads(edges, node_of, compiled.read_for)
-    remakes = _remade_reads(edges, node_of, compiled)
   # XLA recomputes a duplicated value inside each reader's fusion: its operands, not
   # the value, stay live until the last reader. In root order, so that the sources of a
   # chain of duplicated values reach the readers at its end.
@@ -184,6 +182,7 @@ def build_program(
     sources = [u for u, w in edges if w == d_node]
     sinks = [w for u, w in edges if u == d_node]
     edges.update((u, w) for u in sources for w in sinks)
+  remakes = {} if compiled is None else _remade_reads(edges, node_of, compiled)
   outputs, aliased = [], set()
   for i, v in enumerate(jaxpr.outvars):
     if isinstance(v, compat.Literal):
@@ -419,25 +418,42 @@ def _remade_reads(
   of the value, which need not live until that node runs. Returns, per such node, the
   nodes it computes again (the emitted program evaluates them inside it, as XLA does).
 
-  The operands are the node's own, as the edges read before any of this rewiring: read
-  after it, a chain of remakes handed each node the operands of every node before it (a
-  bfloat16 MLP-Mixer's layer norm gradients on TPU v5e: the last one read 131 nodes, and
-  no schedule of the model went below 69.76 MiB, where per-block `jax.checkpoint`
-  measured 61.01)."""
-  remakes: dict[int, list[int]] = {}
+  The value is read where the edges say, those through values XLA duplicates into their
+  readers too (GroupNorm's reshape of a biased convolution output: the Flax and Equinox
+  GroupNorm CNNs read x1.39 and x1.24 of XLA:CPU's peak with the bias add held to the
+  backward pass). The operands are the value's own, as the edges read before any of
+  this rewiring, and those of the values it reads that the node computes again as well:
+  read after it, a chain of remakes handed each node the operands of every node before
+  it (a bfloat16 MLP-Mixer's layer norm gradients on TPU v5e: the last one read 131
+  nodes, and no schedule of the model went below 69.76 MiB, where per-block
+  `jax.checkpoint` measured 61.01)."""
   sources_of: dict[int, list[int]] = {}
   for p, w in sorted(edges):
     sources_of.setdefault(w, []).append(p)
+  made_by: dict[int, set[int]] = {}
   for k, remakers in sorted(compiled.remade_for.items()):
     u = node_of[k]
-    sources = sources_of.get(u, [])
     reading = {node_of[r] for r in compiled.read_for.get(k, ()) if r in node_of}
-    for w in sorted({node_of[r] for r in remakers if r in node_of} - reading - {u}):
-      if (u, w) in edges:
-        edges.discard((u, w))
-        edges.update((p, w) for p in sources)
-        remakes.setdefault(w, []).append(u)
-  return remakes
+    for w in {node_of[r] for r in remakers if r in node_of} - reading - {u}:
+      made_by.setdefault(w, set()).add(u)
+  remakes: dict[int, list[int]] = {}
+  for w, made in sorted(made_by.items()):
+    # What ``w`` computes again may read another value it computes again (GroupNorm's
+    # ``x - mean`` of a bias add): it reads the operands of both.
+    stack, seen = sorted(u for u in made if (u, w) in edges), set()
+    while stack:
+      u = stack.pop()
+      if u in seen:
+        continue
+      seen.add(u)
+      edges.discard((u, w))
+      remakes.setdefault(w, []).append(u)
+      for p in sources_of.get(u, []):
+        if p in made:
+          stack.append(p)
+        elif p != w:
+          edges.add((p, w))
+  return {w: sorted(us) for w, us in remakes.items()}
 
 
 def _constants(n_in: int, n_nodes: int, edges: set[tuple[int, int]]) -> set[int]:
