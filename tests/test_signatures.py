@@ -188,3 +188,37 @@ def test_traced_argument_in_python_control_flow_says_how_to_fix_it(tmp_path):
   assert float(_opt(step, tmp_path, static_argnums=1)(X, True)) == pytest.approx(
     float(step(X, True)), rel=1e-6
   )
+
+
+def test_a_step_that_updates_its_arguments_in_place_is_refused_with_the_fix(tmp_path):
+  """A Flax NNX step under `nnx.jit` updates its Module argument in place: traced as a
+  function of its arguments, the update stayed on a copy, and the optimized step returned
+  the loss and left the model as it was (the weights of an NNX CNN never moved). So is a
+  step that assigns into a dict it was given."""
+  from flax import nnx
+
+  @nnx.jit
+  def step(model, x):
+    value, grads = nnx.value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
+    return value
+
+  model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+
+  def weights():
+    return np.concatenate([np.ravel(w) for w in jax.tree.leaves(nnx.state(model, nnx.Param))])
+
+  before = weights()
+  with pytest.raises(jaxremat.UnsupportedError, match=r"argument args\[0\].*nnx.split"):
+    _opt(step, tmp_path)(model, jnp.ones((3, 4)))
+  np.testing.assert_array_equal(weights(), before)
+  step(model, jnp.ones((3, 4)))  # nnx.jit itself writes the update back
+  assert not np.array_equal(weights(), before)
+
+  def dict_step(params, x):
+    params["w"] = params["w"] - 0.1 * x
+    return jnp.sum(x)
+
+  with pytest.raises(jaxremat.UnsupportedError, match=r"argument args\[0\]\['w'\]"):
+    _opt(dict_step, tmp_path)({"w": jnp.ones(4)}, jnp.ones(4))

@@ -21,8 +21,16 @@ import jax
 import numpy as np
 
 from jaxremat._src import compat
+from jaxremat._src.errors import UnsupportedError
 
 _SCALARS = (bool, int, float, complex)
+MSG_WRITTEN_ARGUMENT = (
+  "The step wrote a value it computed into its argument {path} in place (a Flax NNX module "
+  "or optimizer updated inside the step, a dict assigned to): jaxremat plans and runs the "
+  "step as a function of its arguments to its outputs, and that update would be lost. "
+  "Return the updated state instead: with Flax NNX, nnx.split the model and optimizer "
+  "outside the step, nnx.merge them inside it, and return their nnx.state with the loss."
+)
 MSG_UNHASHABLE_STATIC = (
   "{name} is a static value of type {type}, which is neither an array nor hashable; "
   "jaxremat plans once per static value, as jax.jit compiles once per static value. Pass it "
@@ -255,9 +263,23 @@ class FlatStep:
   def __call__(self, *dynamic: Any) -> list[Any]:
     args, kwargs = self.signature.merge(dynamic)
     leaves, tree = jax.tree_util.tree_flatten(self.fn(*args, **kwargs))
+    _check_unwritten((args, kwargs), dynamic)
     mask = tuple(_is_array_output(x) for x in leaves)
     self.outputs = OutputSplit(tree, mask, tuple(x for x, m in zip(leaves, mask) if not m))
     return [x for x, m in zip(leaves, mask) if m]
+
+
+def _check_unwritten(arguments: Any, dynamic: Sequence[Any]) -> None:
+  """Raises where a traced call left a value it computed in one of its arguments: a leaf
+  that is a tracer but none of the traced inputs (`nnx.jit` writes a step's updates back
+  into its Module arguments; traced without it, a Module's updates stay on the copy)."""
+  given = {id(x) for x in dynamic}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(arguments)[0]:
+    if isinstance(leaf, compat.Tracer) and id(leaf) not in given:
+      # (args, kwargs): args[i]... or the keyword's name
+      head = f"args[{path[1].idx}]" if path[0].idx == 0 else str(path[1].key)
+      where = head + jax.tree_util.keystr(path[2:])
+      raise UnsupportedError(MSG_WRITTEN_ARGUMENT.format(path=where))
 
 
 def step_signature(
