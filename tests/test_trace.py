@@ -1177,6 +1177,12 @@ def test_a_fusion_that_reads_a_collectives_element_named_for_a_value_reads_that_
 
   hlo = "\n".join(
     [
+      "%sum (a: f32[], b: f32[]) -> f32[] {",
+      "  %a = f32[] parameter(0)",
+      "  %b = f32[] parameter(1)",
+      "  ROOT %s = f32[] add(%a, %b)",
+      "}",
+      "",
       "%update (p0: f32[64], p1: f32[64]) -> f32[16] {",
       "  %p0 = f32[64]{0} parameter(0)",
       "  %p1 = f32[64]{0} parameter(1)",
@@ -1190,7 +1196,7 @@ def test_a_fusion_that_reads_a_collectives_element_named_for_a_value_reads_that_
       "  %m = f32[64]{0} parameter(1)",
       f"  %s = f32[64]{{0}} sine(%x), {scope(0, 'sin')}",
       f"  %c = f32[64]{{0}} cosine(%s), {scope(1, 'reduce_sum')}",
-      "  %all = (f32[64]{0}, f32[64]{0}) all-reduce(%c, %s), to_apply=%update",
+      "  %all = (f32[64]{0}, f32[64]{0}) all-reduce(%c, %s), to_apply=%sum",
       f"  %e = f32[64]{{0}} get-tuple-element(%all), index=0, {scope(1, 'reduce_sum')}",
       "  ROOT %u = f32[16]{0} fusion(%e, %m), kind=kLoop, calls=%update",
       "}",
