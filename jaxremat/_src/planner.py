@@ -1009,13 +1009,19 @@ class _Loop:
     program = program or self.planned_program
     compiled = _compile(program, self.signature, schedule, self.opts, pin)
     predicted_bytes = xla_accounted_peak_bytes(program.graph, schedule, self.alias_bytes)
-    return self._record(schedule, origin, program, compiled, predicted_bytes)
+    return self._record(schedule, origin, program, compiled, predicted_bytes, pin)
 
   def _record(
-    self, schedule: Schedule, origin: str, program: Program, compiled: _Compiled, predicted: int
+    self,
+    schedule: Schedule,
+    origin: str,
+    program: Program,
+    compiled: _Compiled,
+    predicted: int,
+    pin: str,
   ) -> _Tried:
-    """Records a compiled plan of ``program`` (`_measure`), the model's peak ``predicted``."""
-    pin = self.pin(schedule)
+    """Records a plan of ``program`` compiled with ``pin`` (`_measure`), the model's peak
+    ``predicted``."""
     # A plan whose recomputations XLA merged away (two identical ones, say) saves nothing
     # real and would fail verification: it does not count as meeting the budget.
     kept = recomputes_survive(
@@ -1219,7 +1225,7 @@ class _Loop:
     predicted = self.predicted_peak_bytes(ordered)
     schedule = _in_order(self.program.graph, "all").replace(budget=None)
     compiled = _Compiled(step, pinned.measured)
-    self._record(schedule, "pinned original", self.program, compiled, predicted)
+    self._record(schedule, "pinned original", self.program, compiled, predicted, "all")
     if predicted <= self.budget_bytes and self.deadline.left_s() > self.reserve_s:
       self._measure(ordered, "pinned order")
 
