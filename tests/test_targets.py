@@ -1221,6 +1221,41 @@ def test_a_product_merged_into_another_holds_no_buffer_of_its_own():
   assert abs(ratio - 1) <= 0.05, ratio
 
 
+def gru_loss(params, batch):
+  """An unrolled GRU: every step's input product reads the same weight."""
+  xs, y = batch
+  hidden = params["wh"].shape[0]
+  h = jnp.zeros((xs.shape[1], hidden))
+  for x in xs:
+    gx, gh = x @ params["wx"] + params["b"], h @ params["wh"]
+    r = jax.nn.sigmoid(gx[:, :hidden] + gh[:, :hidden])
+    z = jax.nn.sigmoid(gx[:, hidden : 2 * hidden] + gh[:, hidden : 2 * hidden])
+    n = jnp.tanh(gx[:, 2 * hidden :] + r * gh[:, 2 * hidden :])
+    h = (1 - z) * n + z * h
+  return jnp.mean((h @ params["out"] - y) ** 2)
+
+
+def test_the_input_products_of_an_unrolled_rnn_are_one_buffer():
+  """XLA:GPU merges the input products of all steps of an unrolled GRU into one (its
+  readers slice their step out of it and add the bias inside); each step's bias add was
+  held as a buffer of its own beside the merged one, as the readers that a multi-output
+  fusion computes beside one that reads the merged buffer did not count as reading it:
+  x1.146 of the compiler's peak on this 8-step GRU (a 23-step one x1.172, now x1.021)."""
+  from examples import _common
+
+  target = needs("h100")
+  keys = iter(jax.random.split(jax.random.key(0), 5))
+  params = {
+    "wx": jax.random.normal(next(keys), (64, 768)) * 0.1,
+    "wh": jax.random.normal(next(keys), (256, 768)) * 0.05,
+    "b": jnp.zeros(768),
+    "out": jax.random.normal(next(keys), (256, 8)) * 0.1,
+  }
+  batch = (jax.random.normal(next(keys), (8, 128, 64)), jax.random.normal(next(keys), (128, 8)))
+  ratio = _compiler_model_over_peak(*_common.make_train_step(gru_loss, params, batch), target)
+  assert abs(ratio - 1) <= 0.05, ratio
+
+
 def _tables_loss(params, batch):
   ids, y = batch
   rows = jax.vmap(lambda table, i: table[i], in_axes=(0, 1), out_axes=1)(params["tables"], ids)

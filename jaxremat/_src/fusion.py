@@ -366,26 +366,41 @@ def _group_as_compiled(
     k for g in duplicated for k in groups[g] if eqns[k].primitive.name in KERNEL_PRIMITIVES
   ):
     # A product the compiler keeps no buffer of (`_without_products` keeps it a node, to
-    # pay for its work once) whose kept readers all read one kept product's buffer is in
-    # that buffer: XLA:GPU merges products of one operand into one (the gate and the
-    # experts of a mixture-of-experts layer: f32[4096,2052]). Each holds its own share of
-    # it, so that a plan that makes one again makes a buffer of its own size.
+    # pay for its work once) is in the buffer of the one kept product that shares an
+    # operand with it, has room for it beside its own value, and is read by all its kept
+    # readers: XLA:GPU merges products of one operand into one (the gate and the experts
+    # of a mixture-of-experts layer: f32[4096,2052]; an unrolled GRU's input products of
+    # all its steps). Each holds its own share of it, so that a plan that makes one again
+    # makes a buffer of its own size. A reader that one multi-output instruction computes
+    # with a reader of the buffer reads it too.
     reading = _kept_readers(eqns, readers, kept, k)
+    own = _output_bytes(eqns[k])
     (holder, *others) = [
       j
       for j in sizes
       if reading
       and eqns[j].primitive.name in KERNEL_PRIMITIVES
-      and reading <= compiled.read_for.get(j, set())
+      and _operands(eqns[j]) & _operands(eqns[k])
+      and sizes[j] >= _output_bytes(eqns[j]) + own
+      and reading
+      <= {s for r in compiled.read_for.get(j, ()) for s in compiled.made_with.get(r, {r})}
     ] or [None]
     if holder is not None and not others:
-      sizes[holder] -= min(sizes[holder], sum(compat.aval_bytes(v.aval) for v in eqns[k].outvars))
+      sizes[holder] -= own
   for k, size in sizes.items():
     outs = [v for v in eqns[k].outvars if not isinstance(v, compat.DropVar)]
     total = sum(compat.aval_bytes(v.aval) for v in outs)
     for v in outs:
       materialized[v] = size * compat.aval_bytes(v.aval) // total if total else 0
   return out, {i for i, g in enumerate(out) if g[-1] in dup_roots}, materialized
+
+
+def _operands(eqn: Any) -> set[Any]:
+  return {v for v in eqn.invars if not isinstance(v, compat.Literal)}
+
+
+def _output_bytes(eqn: Any) -> int:
+  return sum(compat.aval_bytes(v.aval) for v in eqn.outvars)
 
 
 def _kept_readers(

@@ -101,6 +101,8 @@ class CompiledValues:
   evicts_from_chip: bool = False  # whether it evicts temporaries from chip (`on_chip_peak`)
   off_chip: frozenset[int] = frozenset()  # kept equations held in device memory beside it
   aliased_outputs: frozenset[int] = frozenset()  # outputs written into donated arguments
+  # kept equation -> the kept equations one multi-output instruction computes with it
+  made_with: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
 
 
 def compiled_values(
@@ -686,6 +688,12 @@ def values_in_hlo(
       u = max(made, key=position.get)
       if k not in constants_for or position[u] > position[constants_for[k][0]]:
         constants_for[k] = (u, serves(reader.name) - {None})
+  made_with = {
+    k: together
+    for roots in roots_of.values()
+    if len(together := frozenset(roots) & sizes.keys()) > 1
+    for k in together
+  }
   chip = on_chip_peak(entry)
   off_chip = {
     roots_of[name][j] for name, j in chip.off_chip if j < len(roots_of.get(name, ()))
@@ -706,6 +714,7 @@ def values_in_hlo(
     evicts_from_chip=chip.evicts,
     off_chip=frozenset(off_chip),
     aliased_outputs=frozenset(aliased_outputs(hlo)),
+    made_with=made_with,
   )
 
 
