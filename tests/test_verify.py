@@ -211,6 +211,29 @@ def test_same_non_finite_positions_pass_and_others_fail():
   assert not compare_outputs(log_and_sum, (logs.at[1].set(0.0), total), X, rtol=1.0).outputs_match
 
 
+def test_values_too_small_for_a_float32_norm_are_judged_in_float64():
+  """Adam's second moment of an attention key's bias, whose gradient is 0 up to rounding
+  (softmax does not see a shift of every logit), is about 1e-27: squared in a float32
+  norm its envelope was 0, and keys taken in another order (a diffusion U-Net's plan)
+  read as 7e5 times its noise."""
+
+  def adam_nu(q, k, w):
+    def loss(b):
+      return jnp.sum(jax.nn.softmax(q @ (k + b).T, -1) * w)
+
+    g = jax.grad(loss)(jnp.zeros(k.shape[1]))
+    return 0.001 * g * g
+
+  keys = jax.random.split(jax.random.key(0), 2)
+  q, k = jax.random.normal(keys[0], (2, 64, 32))
+  w = jax.random.normal(keys[1], (64, 64)) * 1e-6
+  envelope = noise_envelope(adam_nu, q, k, w)
+  reordered = jax.jit(adam_nu)(q, k[::-1], w[:, ::-1])  # the same sums in another order
+  assert 0 < np.abs(envelope.expected).max() < 1e-19
+  assert compare_with_envelope(envelope, reordered).outputs_match
+  assert not compare_with_envelope(envelope, reordered * 40).outputs_match
+
+
 def test_integer_and_key_leaves_must_be_equal_and_are_not_perturbed():
   def f(n, key, x):
     return n * 3, jax.random.split(key), jnp.argmax(x), x * 2.0

@@ -565,7 +565,9 @@ def _compare_leaf(
     outside = diff > tol
     ratio = _max_ratio(diff, tol)
   else:
-    envelope = np.zeros_like(diff) if envelope is None else np.where(both, envelope, 0.0)
+    # In float64 like the differences: the squares in a float32 norm of values below
+    # 1e-19 are 0 (Adam's second moment of a gradient that is 0 up to rounding).
+    envelope = np.zeros_like(diff) if envelope is None else np.where(both, _wide(envelope), 0.0)
     rms = math.sqrt(float(np.mean(scale**2))) if scale.size else 0.0
     floor = _FLOOR_ULPS * float(jnp.finfo(expected.dtype).eps) * (scale + rms)
     outside = diff > NOISE_FACTOR * envelope + floor
