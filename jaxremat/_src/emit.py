@@ -547,18 +547,16 @@ class _Evaluator:
         # the original and the trigger alive as well as the copy.
         hand_on = fence == "cond" or pin == "checkpoint"
         local = dict(env)
-        trigger, behind = run.trigger, set(run.routed)
-        for node, due in self.routing(run, fence):
-          with self.scope(program.node_eqns[node][-1]):
+        for nodes, due, trigger in self.routing(run, fence):
+          with self.scope(program.node_eqns[nodes[0]][-1]):
             local[trigger], routed = apply_fence(fence, local[trigger], [env[x] for x in due])
-          if trigger == run.trigger:
+          if trigger is run.trigger:
             env[run.trigger] = local[trigger]
           for x, value in zip(due, routed):
             local[x] = value
             if hand_on and x not in run.resident:
               env[x] = value
-          self.eval_nodes((node,), local)
-          trigger = self.made_behind(node, behind) or trigger
+          self.eval_nodes(nodes, local)
         # A first computation leaves all its values behind: a later fence may read one.
         made = run.results if run.recompute else _ordered_outvars(program, run.nodes)
         env.update((x, local[x]) for x in made)
@@ -566,39 +564,31 @@ class _Evaluator:
         env.update(zip(run.results, self.cond_run(run, env)))
     return program.unflatten_outputs([_read(env, x) for x in jaxpr.outvars])
 
-  def routing(self, run: _Run, fence: str) -> list[tuple[int, list[Any]]]:
-    """Each node of ``run`` with the routed values a fence passes right before it: all at
-    the run's start, or, for ``"select"``, each before its first reader in the run, after
-    the node before it (a select's copy then lives for its reader, not the whole run)."""
+  def routing(self, run: _Run, fence: str) -> list[tuple[tuple[int, ...], list[Any], Any]]:
+    """``run``'s nodes in groups, each with the routed values a fence passes right before
+    it and the value the fence waits for: one group, all at the run's start, or, for
+    ``"select"`` in a run of recomputations, each value before its first reader, waiting
+    for the last value the node before it made from what is behind the fence (a select's
+    copy then lives for its reader, not the whole run)."""
     if fence != "select" or not run.recompute:
-      return [(run.nodes[0], list(run.routed))] + [(v, []) for v in run.nodes[1:]]
+      return [(run.nodes, list(run.routed), run.trigger)]
     eqns = self.program.jaxpr.jaxpr.eqns
-    due: dict[int, list[Any]] = {v: [] for v in run.nodes}
-    left = list(run.routed)
+    groups = []
+    left, behind, trigger = list(run.routed), set(run.routed), run.trigger
     for v in run.nodes:
-      reads = {x for i in self.evaluated(v) for x in _vars(eqns[i].invars)}
-      due[v] = [x for x in left if x in reads]
+      evaluated = self.evaluated(v)
+      reads = {x for i in evaluated for x in _vars(eqns[i].invars)}
+      due = [x for x in left if x in reads]
       left = [x for x in left if x not in reads]
-    due[run.nodes[0]] += left
-    return list(due.items())
-
-  def made_behind(self, node: int, behind: set[Any]) -> Any:
-    """A value ``node`` made from what is behind the fence (added to ``behind``), for the
-    next select to wait for; None where it read nothing behind it."""
-    eqns = self.program.jaxpr.jaxpr.eqns
-    made = None
-    for i in self.evaluated(node):
-      if any(x in behind for x in _vars(eqns[i].invars)):
-        behind.update(eqns[i].outvars)
-        arrays = [
-          x
-          for x in eqns[i].outvars
-          if not isinstance(x, compat.DropVar)
-          and math.prod(x.aval.shape)
-          and not _is_key(x.aval.dtype)
-        ]
-        made = arrays[-1] if arrays else made
-    return made
+      groups.append(((v,), due, trigger))
+      own = set(self.program.node_eqns[v])  # an inlined node's values may come from a cache
+      for i in evaluated:
+        if any(x in behind for x in _vars(eqns[i].invars)):
+          behind.update(eqns[i].outvars)
+          if i in own:
+            trigger = next((x for x in reversed(eqns[i].outvars) if _waitable(x)), trigger)
+    groups[0][1].extend(left)
+    return groups
 
   def evaluated(self, v: int) -> list[int]:
     """The equations `eval_nodes` evaluates for node ``v``, in order."""
@@ -658,6 +648,13 @@ class _Evaluator:
 
 def _read(env: dict, x: Any) -> Any:
   return x.val if isinstance(x, compat.Literal) else env[x]
+
+
+def _waitable(x: Any) -> bool:
+  """Whether a fence's predicate can be read from var ``x`` (`always_true`)."""
+  return (
+    not isinstance(x, compat.DropVar) and math.prod(x.aval.shape) > 0 and not _is_key(x.aval.dtype)
+  )
 
 
 def apply_fence(fence: str, trigger: Any, values: Sequence[Any]) -> tuple[Any, list[Any]]:
