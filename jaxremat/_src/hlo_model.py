@@ -439,8 +439,8 @@ def values_in_hlo(
   early: list[tuple[int, int, bool]] = []
   arguments = [0] * n_arguments
   # kept equation -> each buffer of its value: where it is made, its last reader, its
-  # bytes, and the one equation that reads it, else the value's (None: a step output)
-  pieces: dict[int, list[tuple[int, int, int, int | None]]] = {}
+  # bytes, and the buffer (None: a step output, held to the end)
+  pieces: dict[int, list[tuple[int, int, int, tuple[str, int] | None]]] = {}
 
   def between(k: int | None, start: int, end: int, *also: int) -> bool:
     return k is not None and _own_step(entry.instructions, roots_of, {k, *also}, start, end)
@@ -537,8 +537,6 @@ def values_in_hlo(
         readers = readers | {None}
         reader = None
       holder = owner if k is None else k
-      # whose scratch the buffer is if it dies early (`_short_lived_to_scratch`)
-      charge = None if b in outputs else holder if reader is None else reader
       to_come[k] -= 1
       if b in converted:  # the equation's result before it is stored
         scratch[k].append((at, end, size))
@@ -578,7 +576,7 @@ def values_in_hlo(
       if k is not None and k not in sizes:
         sizes[k] = size
         position[k] = at
-        pieces[k] = [(at, end, size, charge)]
+        pieces[k] = [(at, end, size, None if b in outputs else b)]
         read_for.setdefault(k, set()).update(readers - {k, None})
         if staged:
           scratch[k].append((at, at, staged))
@@ -665,8 +663,21 @@ def values_in_hlo(
         sizes[holder] += max(size - replaced(instruction, holder), 0) if collective else size
         read_for.setdefault(holder, set()).update(readers - {holder, None})
         if not collective and holder in pieces:
-          pieces[holder].append((at, end, size, charge))
-  _short_lived_to_scratch(pieces, sizes, scratch)
+          pieces[holder].append((at, end, size, None if b in outputs else b))
+
+  def readers_while(k: int, at: int, end: int) -> frozenset[int]:
+    """The equations whose instructions read a buffer of value ``k`` after ``at``, up to
+    ``end``: while a buffer of it made at ``at`` and last read at ``end`` is held."""
+    made = [b for *_, b in pieces[k] if b is not None]
+    return frozenset(
+      own[r] for b in made for r in read_by.get(b, []) if at < index_of[r] <= end
+    ) - {None}
+
+  held_while = {
+    k: [(at, end, size, b and readers_while(k, at, end)) for at, end, size, b in made]
+    for k, made in pieces.items()
+  }
+  _short_lived_to_scratch(held_while, sizes, scratch)
   remade_for = _remade_for(entry.instructions, inside, elements, roots_of, sizes)
   # Each is held until the first value made after its last reader runs (XLA:CPU runs a
   # pool gradient's argmax with the forward pool, under the gradient's name). A reader of
@@ -719,19 +730,21 @@ def values_in_hlo(
 
 
 def _short_lived_to_scratch(
-  pieces: dict[int, list[tuple[int, int, int, int | None]]],
+  pieces: dict[int, list[tuple[int, int, int, frozenset[int] | None]]],
   sizes: dict[int, int],
   scratch: dict[int, list[tuple[int, int, int]]],
 ) -> None:
-  """Moves each buffer of a value that dies in the first half of the value's life, and
-  is no step output, from the value's size to the scratch of the one equation that reads
-  it (else of the value's own equation, beside which XLA makes it). XLA makes a value in
-  several layouts, each for its readers: a product's operand transposed for the forward
-  product, and again for the weight's gradient in the backward pass (an einsum over
-  experts: two 32 MiB copies, the first dead four instructions later). Held as one value
-  until its last reader, both read as live through the forward pass. A buffer held to
-  the value's end stays the value's, and so does the one that lives longest, and each
-  that an instruction makes with others of the value (the elements of XLA:TPU's
+  """Moves each buffer of a value that dies in the first half of the value's life, or is
+  made in the second half, and is no step output, from the value's size to the scratch of
+  the equations that read the value while it is held. XLA makes a value in several
+  layouts, each for its readers: a product's operand transposed for the forward product,
+  and again for the weight's gradient in the backward pass (an einsum over experts: two
+  32 MiB copies, the first dead four instructions later); a gradient, and after its
+  first readers a transposed copy for the weight's gradient (a ConvNeXt block's 4 MiB).
+  Held as one value from where it is made until its last reader, both read as live
+  through the forward pass, or beside the operands the value was made from. A buffer
+  held to the value's end stays the value's, and so does the one that lives longest,
+  and each that an instruction makes with others of the value (the elements of XLA:TPU's
   asynchronous collectives of a sharded step, which it holds together)."""
   for k, made in pieces.items():
     if len(made) < 2:
@@ -739,11 +752,12 @@ def _short_lived_to_scratch(
     start, last = min(at for at, *_ in made), max(end for _, end, *_ in made)
     longest = max(range(len(made)), key=lambda j: made[j][1] - made[j][0])
     makers = collections.Counter(at for at, *_ in made)
-    for j, (at, end, size, reader) in enumerate(made):
-      alone = makers[at] == 1
-      if j != longest and alone and reader is not None and 2 * (end - start) < last - start:
+    for j, (at, end, size, readers) in enumerate(made):
+      early, late = 2 * (end - start) < last - start, 2 * (at - start) >= last - start
+      if j != longest and makers[at] == 1 and readers and (early or late):
         sizes[k] -= size
-        scratch[reader].append((at, end, size))
+        for reader in readers:
+          scratch[reader].append((at, end, size))
 
 
 def _most_at_once(buffers: list[tuple[int, int, int]]) -> int:
