@@ -674,7 +674,7 @@ def values_in_hlo(
     ) - {None}
 
   held_while = {
-    k: [(at, end, size, b and readers_while(k, at, end)) for at, end, size, b in made]
+    k: [(at, end, size, readers_while(k, at, end) if b else None) for at, end, size, b in made]
     for k, made in pieces.items()
   }
   _short_lived_to_scratch(held_while, sizes, scratch)
