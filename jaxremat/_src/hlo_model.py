@@ -70,6 +70,17 @@ _CONVERTING: Final = _STORAGE_ONLY | {"parameter"}
 _REDUCING: Final = frozenset({"reduce", "reduce-window", "select-and-scatter", "sort"})
 # Instructions that compute new values from their operands, more than moving them.
 _COMPUTING: Final = _REDUCING | {"convolution", "dot", "custom-call"}
+# Instructions whose every output element reads each operand's element at its index alone
+# (XLA's ``IsElementwise``).
+_ELEMENTWISE: Final = frozenset(
+  """abs add and atan2 cbrt ceil clamp clz compare complex convert copy cos divide erf exp
+  expm1 floor imag is-finite log log1p logistic maximum minimum multiply negate not or
+  popcnt power real reduce-precision remainder round-nearest-afz round-nearest-even rsqrt
+  select shift-left shift-right-arithmetic shift-right-logical sign sin sqrt subtract tan
+  tanh xor""".split()
+)
+# Fusions whose output XLA may write into an operand's buffer (loop and input fusions).
+_LOOP_FUSION = re.compile(r"kind=k(?:Loop|Input)\b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +114,9 @@ class CompiledValues:
   aliased_outputs: frozenset[int] = frozenset()  # outputs written into donated arguments
   # kept equation -> the kept equations one multi-output instruction computes with it
   made_with: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
+  # kept equation -> its buffer's bytes, and the kept equations whose buffer of as many
+  # bytes its instruction reads elementwise and last: XLA writes it into one of them
+  writes_into: dict[int, tuple[int, frozenset[int]]] = dataclasses.field(default_factory=dict)
 
 
 def compiled_values(
@@ -261,7 +275,10 @@ def values_in_hlo(
   several equations are left out: their lifetimes are not known. A buffer that an inner
   step of its equation's lowering makes, smaller than one device's share of every output
   of the equation (``equations``: per scoped equation, its primitive and the elements of
-  its smallest output), is no value of it and named after no equation.
+  its smallest output), is no value of it and named after no equation. A value's instruction
+  that reads another value's buffer of its size and element type last, and elementwise
+  only (a loop fusion, or an elementwise instruction), writes into that buffer where no
+  step output is involved (``writes_into``).
   """
   equations = equations or {}
   parts = partitions(hlo)
@@ -299,6 +316,7 @@ def values_in_hlo(
   conversions: dict[str, str] = {}  # instruction that only converts -> its one operand
   moves: dict[str, str] = {}  # unnamed instruction that moves (part of) one argument -> it
   inside: dict[str, set[int]] = {}  # fusion -> the equations its body computes
+  bodies: dict[str, list[Instruction]] = {}  # instruction -> its called computation's
   by_name = {i.name: i for i in entry.instructions}
   index_of = {i.name: at for at, i in enumerate(entry.instructions)}
   for at, instruction in enumerate(entry.instructions):
@@ -321,6 +339,7 @@ def values_in_hlo(
       body = (
         computed[called.group(1)].instructions if called and called.group(1) in computed else []
       )
+      bodies[name] = body
       made = buffers(instruction.shape)
       sizes_of = [b.bytes for b in made]
       spaces[name] = [b.space for b in made]
@@ -441,6 +460,7 @@ def values_in_hlo(
   # kept equation -> each buffer of its value: where it is made, its last reader, its
   # bytes, and the buffer (None: a step output, held to the end)
   pieces: dict[int, list[tuple[int, int, int, tuple[str, int] | None]]] = {}
+  writes_into: dict[int, tuple[int, frozenset[int]]] = {}
 
   def between(k: int | None, start: int, end: int, *also: int) -> bool:
     return k is not None and _own_step(entry.instructions, roots_of, {k, *also}, start, end)
@@ -488,6 +508,34 @@ def values_in_hlo(
     if len(roots) != len(sizes_of):  # one value and a library call's scratch, or a tuple root
       return (roots[:1] + [None] * (len(sizes_of) - 1))[: len(sizes_of)]
     return roots
+
+  def dying_operands(instruction: Instruction, j: int, at: int) -> frozenset[int]:
+    """The kept equations whose buffer in device memory, of the element type, elements and
+    bytes of the instruction's output ``j``, the instruction reads last and elementwise
+    only, where neither is a step output: XLA's buffer assignment writes that output into
+    one of them (HloDataflowAnalysis's buffer sharing: XLA:CPU writes each tanh of the MLP
+    example into its product's buffer, and the tanh's gradient into the tanh's). Not on
+    chip: XLA:TPU shared none of the GPT example's VMEM buffers so."""
+    body = bodies[instruction.name]
+    if not (_LOOP_FUSION.search(instruction.rest) if body else instruction.opcode in _ELEMENTWISE):
+      return frozenset()
+    output = buffers(instruction.shape)[j]
+    if output.space:  # on chip (TPU's VMEM), where memory-space assignment places buffers
+      return frozenset()
+    taken = set()
+    for operand, o in enumerate(instruction.operands):
+      read = elements.get(o, [])
+      if len(read) != 1 or read[0] in outputs or last_read.get(read[0]) != at:
+        continue
+      ((maker, i),) = read
+      u = output_roots(maker)[i] if maker in roots_of else None
+      if (
+        any(piece[3] == read[0] for piece in pieces.get(u, ()))
+        and buffers(by_name[maker].shape)[i] == output
+        and (not body or _elementwise_on(body, operand))
+      ):
+        taken.add(u)
+    return frozenset(taken)
 
   def converts(name: str) -> int | None:
     """The equation whose value unnamed conversion ``name`` holds in another dtype or
@@ -574,6 +622,8 @@ def values_in_hlo(
         relaid.add(k)
         continue
       if k is not None and k not in sizes:
+        if b not in outputs and (taken := dying_operands(instruction, j, at)):
+          writes_into[k] = (size, taken)
         sizes[k] = size
         position[k] = at
         pieces[k] = [(at, end, size, None if b in outputs else b)]
@@ -726,6 +776,7 @@ def values_in_hlo(
     off_chip=frozenset(off_chip),
     aliased_outputs=frozenset(aliased_outputs(hlo)),
     made_with=made_with,
+    writes_into=writes_into,
   )
 
 
@@ -758,6 +809,29 @@ def _short_lived_to_scratch(
         sizes[k] -= size
         for reader in readers:
           scratch[reader].append((at, end, size))
+
+
+def _elementwise_on(body: list[Instruction], operand: int) -> bool:
+  """Whether fused computation ``body`` reads its parameter ``operand`` through elementwise
+  instructions alone, up to its outputs (XLA's ``AreTransitiveUsesElementwiseOrTuple``)."""
+  users: dict[str, list[Instruction]] = collections.defaultdict(list)
+  for i in body:
+    for o in i.operands:
+      users[o].append(i)
+  params = [
+    i.name
+    for i in body
+    if i.opcode == "parameter" and int(_PARAMETER.search(i.line).group(1)) == operand
+  ]
+  stack, seen = list(params), set(params)
+  while stack:
+    for user in users[stack.pop()]:
+      if user.opcode not in _ELEMENTWISE and user.opcode != "tuple":
+        return False
+      if user.name not in seen:
+        seen.add(user.name)
+        stack.append(user.name)
+  return bool(params)
 
 
 def _most_at_once(buffers: list[tuple[int, int, int]]) -> int:

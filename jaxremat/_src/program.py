@@ -303,6 +303,13 @@ def build_program(
     nodes[n_in + g] = dataclasses.replace(node, attrs={**node.attrs, "allocated_at_start": True})
   for v in aliased:  # written into a donated argument's buffer (`xla_memory.held_apart`)
     nodes[v] = dataclasses.replace(nodes[v], attrs={**nodes[v].attrs, "aliased_output": True})
+  for k, (size, dying) in ({} if compiled is None else compiled.writes_into).items():
+    # where the node's compute frees one of these, XLA writes it there (`xla_memory`)
+    into = sorted({node_of[u] for u in dying} - {node_of[k]})
+    if into:
+      node = nodes[node_of[k]]
+      written = [*node.attrs.get("writes_into", []), [size, into]]
+      nodes[node_of[k]] = dataclasses.replace(node, attrs={**node.attrs, "writes_into": written})
   for k in () if compiled is None else compiled.off_chip & node_of.keys():
     node = nodes[node_of[k]]
     nodes[node_of[k]] = dataclasses.replace(node, attrs={**node.attrs, "off_chip": True})

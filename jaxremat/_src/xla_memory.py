@@ -51,7 +51,8 @@ def xla_accounted_peak_bytes(
   them, plus the scratch XLA allocates while that node runs (its ``workspace_bytes``,
   unless the graph already has scratch nodes for them), plus the bytes XLA makes from
   constants at the start until their reader runs (``constant_bytes``,
-  `_constants_released`). On a target that keeps temporaries on chip
+  `_constants_released`), less what a node writes into the buffers of values it frees
+  (`written_bytes`). On a target that keeps temporaries on chip
   (``meta["on_chip_bytes"]``), the figure its compiler makes of that (`device_peak_bytes`),
   where at each event past on-chip memory device memory holds at least the values the
   compiled step held there (nodes marked ``off_chip``) and what the rest leaves over.
@@ -70,6 +71,7 @@ def xla_accounted_peak_bytes(
   off_chip = _off_chip_timeline(apart, schedule) if on_chip_bytes else None
   reuse = reuse_outputs and graph.meta.get("outputs_hold_temporaries", False)
   packed = _in_output_buffers(graph, schedule, pending) if reuse else None
+  written = _written_into(apart, schedule)
   peak, spilled = resident_bytes + pending_bytes + early_bytes, 0
   for t, ((kind, v), after) in enumerate(zip(schedule.events, result.timeline_bytes, strict=True)):
     if kind != "compute":
@@ -78,6 +80,7 @@ def xla_accounted_peak_bytes(
       pending.discard(v)
       pending_bytes -= graph.mem[v]
     live = after + held_bytes + pending_bytes + early_bytes + scratch_bytes(graph, v)
+    live -= written.get(t, 0)
     if packed:
       live -= packed[t]
     peak = max(peak, live)
@@ -87,6 +90,32 @@ def xla_accounted_peak_bytes(
       spilled = max(spilled, off_chip[t] + max(0, rest - on_chip_bytes))
     early_bytes -= released.get(t, 0)
   return max(device_peak_bytes(peak, resident_bytes, on_chip_bytes), resident_bytes + spilled)
+
+
+def _written_into(graph: RematGraph, schedule: Any) -> dict[int, int]:
+  """Compute event of ``schedule`` -> `written_bytes` of its node into the values freed
+  right after it."""
+  written: dict[int, int] = {}
+  for t, (kind, v) in enumerate(schedule.events):
+    if kind != "compute" or not graph.nodes[v].attrs.get("writes_into"):
+      continue
+    freed = set()
+    for after_kind, u in schedule.events[t + 1 :]:
+      if after_kind == "compute":
+        break
+      freed.add(u)
+    written[t] = written_bytes(graph, v, freed)
+  return written
+
+
+def written_bytes(graph: RematGraph, v: int, freed: set[int]) -> int:
+  """The bytes of ``v``'s output that XLA writes into the buffers of values in ``freed``,
+  which ``v`` reads last and elementwise (nodes' ``writes_into``, read from the compiled
+  step: `hlo_model.CompiledValues`): those and the output are not held at once."""
+  return sum(
+    max((min(size, graph.mem[u]) for u in dying if u in freed), default=0)
+    for size, dying in graph.nodes[v].attrs.get("writes_into", ())
+  )
 
 
 def _in_output_buffers(graph: RematGraph, schedule: Any, pending: set[int]) -> list[int]:
@@ -134,7 +163,8 @@ def peak_bound(graph: RematGraph, alias_bytes: int = 0) -> tuple[int, int | None
   operands and its result (FORMATS.md), beside the arguments, the outputs XLA holds
   throughout (`held_apart`), the node's scratch, and what XLA made before the program
   for the node and for the equations that depend on it, none of which has run yet:
-  their constants and the buffers it allocates at the start (`waiting_bytes`). Where XLA
+  their constants and the buffers it allocates at the start (`waiting_bytes`), less what
+  it may write into its operands' buffers (`written_bytes`). Where XLA
   holds values in outputs' buffers (`_in_output_buffers`), the node's operands, result
   and scratch may each sit in a buffer of its own of any output but the node. The figure
   grows with the live bytes (`device_peak_bytes`). It bounds plans in the model: a
@@ -153,7 +183,8 @@ def peak_bound(graph: RematGraph, alias_bytes: int = 0) -> tuple[int, int | None
       others = list(sizes)
       others.remove(rooms[v])
     held = _most_held_in(values, others)
-    return apart.compute_bytes(v) + scratch_bytes(graph, v) + waiting[v] - held
+    written = written_bytes(apart, v, set(apart.compute_preds[v]))
+    return apart.compute_bytes(v) + scratch_bytes(graph, v) + waiting[v] - held - written
 
   node = max((v for v in graph.order if not graph.is_input[v]), key=live_bytes, default=None)
   early = sum(graph.mem[v] for v in allocated_at_start(graph)) + constant_bytes(graph)
