@@ -18,7 +18,14 @@ def _n_checkpoints(fn, *args) -> int:
   return sum(e.primitive.name in ("remat2", "checkpoint") for e in eqns)
 
 
-@pytest.mark.parametrize("name", examples.EXAMPLES)
+# The two largest examples take 25-60 s each to trace and train; `pytest -m slow` runs them.
+EXAMPLES_QUICK = [
+  pytest.param(n, marks=pytest.mark.slow) if n in ("mobilenet", "vgg16") else n
+  for n in examples.EXAMPLES
+]
+
+
+@pytest.mark.parametrize("name", EXAMPLES_QUICK)
 def test_example_traces_and_trains_one_step(name):
   module = examples.load(name)
   step, args = module.make_train_step(**module.SMALL)
@@ -33,7 +40,7 @@ def test_example_traces_and_trains_one_step(name):
   assert all(changed), f"{name}: {changed.count(False)} parameter leaves did not move"
 
 
-@pytest.mark.parametrize("name", examples.EXAMPLES)
+@pytest.mark.parametrize("name", EXAMPLES_QUICK)
 def test_block_checkpointing_computes_the_same_loss_and_gradient(name):
   module = examples.load(name)
   params, batch = _common.example_args(module, **module.SMALL)

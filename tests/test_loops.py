@@ -244,7 +244,13 @@ def test_a_flax_nn_scan_step_meets_a_budget_below_what_its_layers_store(tmp_path
 
 
 @pytest.mark.parametrize(
-  "policy", ["dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable"]
+  "policy",
+  [
+    # the same path at other peaks, 35-55 s each: left to `pytest -m slow`
+    pytest.param("dots_saveable", marks=pytest.mark.slow),
+    pytest.param("dots_with_no_batch_dims_saveable", marks=pytest.mark.slow),
+    "nothing_saveable",
+  ],
 )
 def test_a_scanned_gpt_meets_each_policys_peak_at_no_more_flops(policy, tmp_path):
   """At the peak of `jax.checkpoint` with ``policy`` on the scan body, `optimize` meets

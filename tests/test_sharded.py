@@ -91,6 +91,7 @@ def test_optimize_meets_a_per_device_budget_and_keeps_the_shardings(fsdp_gpt, tm
   assert all(after[c] >= n for c, n in before.items())
 
 
+@pytest.mark.slow  # 60-160 s; the optimize test above checks each plan's collectives too
 def test_verify_finds_collectives_that_nothing_planned(fsdp_gpt, tmp_path):
   # Fencing every equation on the one before it routes each product's FSDP weight through
   # a fence; XLA then gathers the weight for each of its readers instead of once for all:
