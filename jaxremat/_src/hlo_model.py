@@ -522,6 +522,7 @@ def values_in_hlo(
     output = buffers(instruction.shape)[j]
     if output.space:  # on chip (TPU's VMEM), where memory-space assignment places buffers
       return frozenset()
+    read_elementwise = _read_elementwise(body) if body else None
     taken = set()
     for operand, o in enumerate(instruction.operands):
       read = elements.get(o, [])
@@ -532,7 +533,7 @@ def values_in_hlo(
       if (
         any(piece[3] == read[0] for piece in pieces.get(u, ()))
         and buffers(by_name[maker].shape)[i] == output
-        and (not body or _elementwise_on(body, operand))
+        and (read_elementwise is None or operand in read_elementwise)
       ):
         taken.add(u)
     return frozenset(taken)
@@ -811,27 +812,30 @@ def _short_lived_to_scratch(
           scratch[reader].append((at, end, size))
 
 
-def _elementwise_on(body: list[Instruction], operand: int) -> bool:
-  """Whether fused computation ``body`` reads its parameter ``operand`` through elementwise
-  instructions alone, up to its outputs (XLA's ``AreTransitiveUsesElementwiseOrTuple``)."""
+def _read_elementwise(body: list[Instruction]) -> frozenset[int]:
+  """The parameters that fused computation ``body`` reads through elementwise instructions
+  alone, up to its outputs (XLA's ``AreTransitiveUsesElementwiseOrTuple``)."""
   users: dict[str, list[Instruction]] = collections.defaultdict(list)
   for i in body:
     for o in i.operands:
       users[o].append(i)
-  params = [
-    i.name
+
+  def elementwise(name: str) -> bool:
+    stack, seen = [name], {name}
+    while stack:
+      for user in users[stack.pop()]:
+        if user.opcode not in _ELEMENTWISE and user.opcode != "tuple":
+          return False
+        if user.name not in seen:
+          seen.add(user.name)
+          stack.append(user.name)
+    return True
+
+  return frozenset(
+    int(_PARAMETER.search(i.line).group(1))
     for i in body
-    if i.opcode == "parameter" and int(_PARAMETER.search(i.line).group(1)) == operand
-  ]
-  stack, seen = list(params), set(params)
-  while stack:
-    for user in users[stack.pop()]:
-      if user.opcode not in _ELEMENTWISE and user.opcode != "tuple":
-        return False
-      if user.name not in seen:
-        seen.add(user.name)
-        stack.append(user.name)
-  return bool(params)
+    if i.opcode == "parameter" and elementwise(i.name)
+  )
 
 
 def _most_at_once(buffers: list[tuple[int, int, int]]) -> int:

@@ -52,7 +52,7 @@ def xla_accounted_peak_bytes(
   unless the graph already has scratch nodes for them), plus the bytes XLA makes from
   constants at the start until their reader runs (``constant_bytes``,
   `_constants_released`), less what a node writes into the buffers of values it frees
-  (`written_bytes`). On a target that keeps temporaries on chip
+  (`_written_bytes`). On a target that keeps temporaries on chip
   (``meta["on_chip_bytes"]``), the figure its compiler makes of that (`device_peak_bytes`),
   where at each event past on-chip memory device memory holds at least the values the
   compiled step held there (nodes marked ``off_chip``) and what the rest leaves over.
@@ -80,7 +80,7 @@ def xla_accounted_peak_bytes(
       pending.discard(v)
       pending_bytes -= graph.mem[v]
     live = after + held_bytes + pending_bytes + early_bytes + scratch_bytes(graph, v)
-    live -= written.get(t, 0)
+    live -= written.get(t, 0)  # what the node writes into an operand it frees
     if packed:
       live -= packed[t]
     peak = max(peak, live)
@@ -93,7 +93,7 @@ def xla_accounted_peak_bytes(
 
 
 def _written_into(graph: RematGraph, schedule: Any) -> dict[int, int]:
-  """Compute event of ``schedule`` -> `written_bytes` of its node into the values freed
+  """Compute event of ``schedule`` -> `_written_bytes` of its node into the values freed
   right after it."""
   written: dict[int, int] = {}
   for t, (kind, v) in enumerate(schedule.events):
@@ -104,11 +104,11 @@ def _written_into(graph: RematGraph, schedule: Any) -> dict[int, int]:
       if after_kind == "compute":
         break
       freed.add(u)
-    written[t] = written_bytes(graph, v, freed)
+    written[t] = _written_bytes(graph, v, freed)
   return written
 
 
-def written_bytes(graph: RematGraph, v: int, freed: set[int]) -> int:
+def _written_bytes(graph: RematGraph, v: int, freed: set[int]) -> int:
   """The bytes of ``v``'s output that XLA writes into the buffers of values in ``freed``,
   which ``v`` reads last and elementwise (nodes' ``writes_into``, read from the compiled
   step: `hlo_model.CompiledValues`): those and the output are not held at once."""
@@ -164,7 +164,7 @@ def peak_bound(graph: RematGraph, alias_bytes: int = 0) -> tuple[int, int | None
   throughout (`held_apart`), the node's scratch, and what XLA made before the program
   for the node and for the equations that depend on it, none of which has run yet:
   their constants and the buffers it allocates at the start (`waiting_bytes`), less what
-  it may write into its operands' buffers (`written_bytes`). Where XLA
+  it may write into its operands' buffers (`_written_bytes`). Where XLA
   holds values in outputs' buffers (`_in_output_buffers`), the node's operands, result
   and scratch may each sit in a buffer of its own of any output but the node. The figure
   grows with the live bytes (`device_peak_bytes`). It bounds plans in the model: a
@@ -183,7 +183,7 @@ def peak_bound(graph: RematGraph, alias_bytes: int = 0) -> tuple[int, int | None
       others = list(sizes)
       others.remove(rooms[v])
     held = _most_held_in(values, others)
-    written = written_bytes(apart, v, set(apart.compute_preds[v]))
+    written = _written_bytes(apart, v, set(apart.compute_preds[v]))
     return apart.compute_bytes(v) + scratch_bytes(graph, v) + waiting[v] - held - written
 
   node = max((v for v in graph.order if not graph.is_input[v]), key=live_bytes, default=None)
