@@ -85,8 +85,11 @@ def test_plans_within_what_the_pinned_original_holds_are_made_and_counted_on_its
   step, args, _, pinned_original = resnet
   measured = pinned_original.measured
   budget = measured.peak_bytes + 1024
+  # The pinned original meets the budget, so the time limit ends no search here; it only
+  # needs to hold the pinned compile (`_pinned_compile_fits`), 7.6 s for this step beside a
+  # second test process on 2 cores, where 30 s did not.
   with counted_compiles() as compiled:
-    plan = jaxremat.optimize(step, budget=budget, time_limit=30, use_cache=False).plan(*args)
+    plan = jaxremat.optimize(step, budget=budget, time_limit=90, use_cache=False).plan(*args)
   model = plan.schedule.stats["optimize"]
   assert model["pinned_peak_bytes"] == measured.peak_bytes
   assert plan.measured_peak_bytes <= budget
