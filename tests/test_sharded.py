@@ -67,8 +67,8 @@ def test_optimize_meets_a_per_device_budget_and_keeps_the_shardings(fsdp_gpt, tm
   plan = fast.plan(*place(host))
   assert plan.measured_peak_bytes <= 0.7 * plan.baseline_peak_bytes
   chosen = next(a for a in plan.attempts if a.measured_peak_bytes == plan.measured_peak_bytes)
-  # The model of a sharded plan is not yet within 10%: 17% over XLA:CPU at this size
-  # (benchmarks/README.md, "Sharded steps"). It errs high, so the budget still holds.
+  # The model of a sharded plan is not yet within 10% (-9% to +21% on the sharded GPT of
+  # benchmarks/README.md, "Sharded steps"); at this size it errs high, so the budget holds.
   assert (
     chosen.measured_peak_bytes <= chosen.predicted_peak_bytes <= 1.2 * chosen.measured_peak_bytes
   )
