@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -509,6 +510,11 @@ def values_in_hlo(
       return (roots[:1] + [None] * (len(sizes_of) - 1))[: len(sizes_of)]
     return roots
 
+  @functools.cache
+  def read_elementwise(fusion: str) -> frozenset[int]:
+    """`_read_elementwise` of the body of ``fusion``, once per fusion, not per output."""
+    return _read_elementwise(bodies[fusion])
+
   def dying_operands(instruction: Instruction, j: int, at: int) -> frozenset[int]:
     """The kept equations whose buffer in device memory, of the element type, elements and
     bytes of the instruction's output ``j``, the instruction reads last and elementwise
@@ -522,7 +528,6 @@ def values_in_hlo(
     output = buffers(instruction.shape)[j]
     if output.space:  # on chip (TPU's VMEM), where memory-space assignment places buffers
       return frozenset()
-    read_elementwise = _read_elementwise(body) if body else None
     taken = set()
     for operand, o in enumerate(instruction.operands):
       read = elements.get(o, [])
@@ -533,7 +538,7 @@ def values_in_hlo(
       if (
         any(piece[3] == read[0] for piece in pieces.get(u, ()))
         and buffers(by_name[maker].shape)[i] == output
-        and (read_elementwise is None or operand in read_elementwise)
+        and (not body or operand in read_elementwise(instruction.name))
       ):
         taken.add(u)
     return frozenset(taken)
