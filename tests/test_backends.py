@@ -171,8 +171,10 @@ def test_device_peak_of_an_isolated_run_follows_the_plan():
 
 @pytest.mark.skipif(FACTS.platform in ("gpu", "tpu"), reason="runs the accelerator tests instead")
 def test_accelerator_tests_are_skipped_with_their_reason_here():
+  # One process: the test it selects needs no workers of its own.
+  args = ["-m", "pytest", "-n", "0", str(TESTS / "test_backends.py"), "-k", "isolated_run"]
   out = subprocess.run(
-    [sys.executable, "-m", "pytest", str(TESTS / "test_backends.py"), "-k", "isolated_run"],
+    [sys.executable, *args],
     capture_output=True,
     text=True,
     cwd=TESTS.parent,

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +16,7 @@ import pytest
 import jaxremat
 
 N = 128
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def matmul_sin(a, b):
@@ -85,3 +92,39 @@ def test_runs_zero_compiles_without_running(operands):
   )
   jaxremat.measure(counted, *operands, runs=0)
   assert calls == []
+
+
+_FIGURES = """
+import hashlib, json, re, jax
+from examples import unet
+key = jax.random.key(0)
+args = jax.eval_shape(unet.init_params, key), jax.eval_shape(unet.example_batch, key)
+c = jax.jit(jax.value_and_grad(unet.loss)).lower(*args).compile()
+m = c.memory_analysis()
+hlo = re.sub(r"metadata=\\{[^}]*\\}", "", c.as_text())
+print(json.dumps([m.temp_size_in_bytes, m.argument_size_in_bytes, m.output_size_in_bytes,
+  m.alias_size_in_bytes, c.cost_analysis()["flops"], hashlib.sha1(hlo.encode()).hexdigest()]))
+"""
+
+
+def test_the_tests_codegen_level_keeps_what_xla_reports():
+  """conftest.py compiles the tests' steps at a lower LLVM level than XLA's default; the
+  optimized HLO and every figure jaxremat reads are the default level's (a U-Net step:
+  pools, resize, concatenated skips)."""
+  if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    pytest.skip("conftest.py keeps XLA's default level where a TPU or GPU compiler is installed")
+  default = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  figures = [
+    json.loads(
+      subprocess.run(
+        [sys.executable, "-c", _FIGURES],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+      ).stdout
+    )
+    for env in (default, os.environ)
+  ]
+  assert figures[0] == figures[1]
