@@ -155,9 +155,10 @@ def test_effects_run_once_and_in_order_through_trace_solve_emit(capfd):
 
 @pytest.mark.parametrize(
   "solver,fraction,time_limit_s",
-  # checkmate-lp builds its LP in Python: give it room on a loaded machine.
+  # checkmate-lp builds its LP in Python (~6 s here alone, 10 s under a profiler) and then
+  # solves it to optimality: the limit only bounds a loaded machine's build.
   # (Chen's plans drop forward values only; the callback's output feeds the update.)
-  [("cover-staged", 0.95, 10.0), ("moccasin", 0.8, 2.0), ("checkmate-lp", 0.9, 10.0)],
+  [("cover-staged", 0.95, 10.0), ("moccasin", 0.8, 2.0), ("checkmate-lp", 0.9, 30.0)],
 )
 def test_no_solver_recomputes_an_effect(solver, fraction, time_limit_s):
   graph = _as_written(jaxremat.trace(_effect_step(Host()), _weights(), X, costs="shape"))
