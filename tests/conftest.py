@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import pathlib
@@ -18,8 +19,11 @@ if not os.path.exists("/proc/driver/nvidia"):
 # optimized HLO, memory_analysis and cost analysis of the default level, 2 (the U-Net, GPT
 # and ResNet examples' steps, compared; test_measure.py checks one). Level 0 halves the
 # compile time but rounds float32 differently from level 2, past the backend's tolerances.
-# Not where a deviceless TPU or GPU compiler is installed: they read XLA_FLAGS too.
-if not any(importlib.util.find_spec(m) for m in ("libtpu", "jax_cuda12_plugin")):
+# Not where a TPU or GPU compiler is installed (libtpu, a PJRT plugin such as CUDA's): they
+# read XLA_FLAGS too.
+if not importlib.util.find_spec("libtpu") and not importlib.metadata.entry_points(
+  group="jax_plugins"
+):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1"
 
 import jax  # noqa: E402
