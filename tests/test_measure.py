@@ -95,15 +95,14 @@ def test_runs_zero_compiles_without_running(operands):
 
 
 _FIGURES = """
-import hashlib, json, re, jax
+import hashlib, json, re, jax, jaxremat
 from examples import unet
 key = jax.random.key(0)
 args = jax.eval_shape(unet.init_params, key), jax.eval_shape(unet.example_batch, key)
-c = jax.jit(jax.value_and_grad(unet.loss)).lower(*args).compile()
-m = c.memory_analysis()
-hlo = re.sub(r"metadata=\\{[^}]*\\}", "", c.as_text())
-print(json.dumps([m.temp_size_in_bytes, m.argument_size_in_bytes, m.output_size_in_bytes,
-  m.alias_size_in_bytes, c.cost_analysis()["flops"], hashlib.sha1(hlo.encode()).hexdigest()]))
+m = jaxremat.measure(jax.value_and_grad(unet.loss), *args, runs=0)
+hlo = re.sub(r"metadata=\\{[^}]*\\}", "", m.hlo_text)
+print(json.dumps([m.temp_bytes, m.argument_bytes, m.output_bytes, m.alias_bytes, m.flops,
+  hashlib.sha1(hlo.encode()).hexdigest()]))
 """
 
 
